@@ -1,0 +1,47 @@
+"""trl_vlm_fixes: ``import trl_vlm_fixes`` fixes three TRL 1.9.1 + vLLM 0.25.1 bugs of Qwen3.5 VLM GRPO training.
+
+Importing this package imports neither torch, trl, transformers nor vllm: each fix attaches when its target module
+is imported (wrapt post-import hooks), so the import order does not matter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .patches import ALL_FIXES
+from .patches.cudagraph import CudagraphModeError, selected_mode
+from .registry import FixNotApplicableError, Registry
+from .status import build_status
+from .switches import SwitchValueError
+
+__version__ = "0.1.0"
+__all__ = [
+    "CudagraphModeError",
+    "FixNotApplicableError",
+    "SwitchValueError",
+    "__version__",
+    "apply",
+    "revert",
+    "status",
+]
+
+REGISTRY = Registry(ALL_FIXES)
+
+
+def apply() -> None:
+    """Turn on every fix allowed by the environment switches; a second call changes nothing."""
+    selected_mode()  # a bad TRL_VLM_FIXES_CUDAGRAPH_MODE fails at once, not when the engine is built
+    REGISTRY.apply()
+
+
+def revert() -> None:
+    """Restore TRL's original methods exactly; ``apply()`` puts the fixes back."""
+    REGISTRY.revert()
+
+
+def status() -> dict[str, Any]:
+    """Versions and, per fix, its state (applied, disabled, skipped, not-needed, or pending until TRL is imported)."""
+    return build_status(REGISTRY, __version__)
+
+
+apply()

@@ -1,0 +1,51 @@
+"""The mixed image batch shared by the example, the self-test and the tests.
+
+Prompts differ in text length and images differ in size, so the prompt token lengths differ: the case where TRL
+1.9.1's left-padded ``prompt_ids`` and right-padded ``mm_token_type_ids`` stop describing the same columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (image width, image height, prompt text): a big image with a short text beside a small image with a long text
+# gives a length gap smaller than the big image's run, so the misaligned markers cut an image run (the crash).
+MIXED_SAMPLES: tuple[tuple[int, int, str], ...] = (
+    (128, 96, "describe"),
+    (64, 32, "what is in this picture, tell me"),
+    (96, 64, "colour?"),
+    (32, 32, "count the shapes in the image, then name them"),
+)
+
+
+def make_image(width: int, height: int, seed: int = 0) -> Any:
+    from PIL import Image
+
+    return Image.new("RGB", (width, height), color=((37 * seed) % 256, (91 * seed + 50) % 256, 180))
+
+
+def conversation(text: str, images: int = 1) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in range(images)]
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+def mixed_rows(samples: tuple[tuple[int, int, str], ...] = MIXED_SAMPLES) -> list[dict[str, Any]]:
+    """Rows in TRL's conversational format with one image each."""
+    return [
+        {"prompt": conversation(text), "image": make_image(width, height, seed)}
+        for seed, (width, height, text) in enumerate(samples)
+    ]
+
+
+def mixed_dataset(samples: tuple[tuple[int, int, str], ...] = MIXED_SAMPLES[:2]) -> Any:
+    """A datasets.Dataset of the mixed rows; two prompts by default, so every batch of 4 (2 generations) holds both."""
+    from datasets import Dataset
+
+    rows = mixed_rows(samples)
+    return Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "image": [r["image"] for r in rows]})
+
+
+def length_reward(completions: list[Any], **_: Any) -> list[float]:
+    """A toy reward: longer completions score higher (enough for GRPO to have an advantage signal)."""
+    return [float(len(str(completion))) for completion in completions]

@@ -1,0 +1,38 @@
+"""Per-step counters of the fixes' work, flushed into the trainer's own metrics when it logs.
+
+Counters may be 0-dim tensors on the GPU: they are only read (``float``) when the trainer logs, which synchronizes
+anyway, so counting adds no synchronization to the training step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+PREFIX = "trl_vlm_fixes/"
+REALIGNED_ROWS = PREFIX + "mm_realigned_rows"
+WEIGHT_REPUSHES = PREFIX + "weight_repushes"
+DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
+
+_counters: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
+
+
+def count(owner: Any, name: str, amount: Any) -> None:
+    """Add ``amount`` (an int or a 0-dim tensor) to ``owner``'s counter ``name`` for the current step."""
+    try:
+        _counters.setdefault(owner, {}).setdefault(name, []).append(amount)
+    except TypeError:  # an owner that cannot be weakly referenced: counting is best effort, never an error
+        pass
+
+
+def drain(owner: Any) -> dict[str, float]:
+    """Sum and reset ``owner``'s counters."""
+    pending = _counters.pop(owner, None) if owner is not None else None
+    if not pending:
+        return {}
+    return {name: float(sum(float(v) for v in values)) for name, values in pending.items()}
+
+
+def peek(owner: Any) -> dict[str, float]:
+    pending = _counters.get(owner) or {}
+    return {name: float(sum(float(v) for v in values)) for name, values in pending.items()}

@@ -1,0 +1,8 @@
+"""One module per fix; ALL_FIXES is the order in which they are reported."""
+
+from __future__ import annotations
+
+from ..registry import Fix
+from . import cudagraph, mm_realign, reload_skip
+
+ALL_FIXES: tuple[Fix, ...] = (mm_realign.FIX, reload_skip.FIX, cudagraph.FIX)

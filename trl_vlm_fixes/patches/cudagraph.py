@@ -1,0 +1,187 @@
+"""cudagraph: build TRL's colocated vLLM engine without CUDA graphs (or with the mode the user selects).
+
+vLLM V1's CUDA-graph decode of Qwen3.5's Gated-DeltaNet layers can wedge mid-step (GPU at 100%, CPU idle, SIGTERM
+ignored). ``compilation_config={"cudagraph_mode": "NONE"}`` keeps torch.compile and drops only the graphs. The value
+is injected at the ``LLM(...)`` call TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is
+mutated after the engine exists and ``enforce_eager`` is never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..registry import Fix, Target
+from ..switches import CUDAGRAPH_MODE_VARIABLE
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+# vLLM 0.25.1's CUDAGraphMode names (checked against the real enum in the tests).
+VALID_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+DEFAULT_MODE = "NONE"
+SPEED_NOTE = {
+    "NONE": "no CUDA graphs: no Gated-DeltaNet decode hang; decode about 3-4x slower than vLLM's default graphs, "
+    "about 2x faster than enforce_eager",
+    "PIECEWISE": "piecewise graphs: faster than NONE, but hangs were reported with it (vLLM issue 54331)",
+    "FULL_DECODE_ONLY": "full graphs for decode only: reported to hold (vLLM issue 40969)",
+    "FULL": "full graphs: fastest family, exposed to the decode hang",
+    "FULL_AND_PIECEWISE": "vLLM's default: fastest, exposed to the Gated-DeltaNet decode hang",
+}
+
+
+class CudagraphModeError(ValueError):
+    """TRL_VLM_FIXES_CUDAGRAPH_MODE names no CUDAGraphMode."""
+
+
+def selected_mode() -> str:
+    """The mode from TRL_VLM_FIXES_CUDAGRAPH_MODE (default NONE); anything else fails at once."""
+    raw = os.environ.get(CUDAGRAPH_MODE_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_MODE
+    mode = raw.upper()
+    if mode not in VALID_MODES:
+        raise CudagraphModeError(
+            f"{CUDAGRAPH_MODE_VARIABLE}={raw!r} is not a vLLM CUDAGraphMode. Valid names: {', '.join(VALID_MODES)}. "
+            f"Unset it for the default ({DEFAULT_MODE})."
+        )
+    return mode
+
+
+def merge_compilation_config(existing: Any, mode: str) -> Any:
+    """Add ``cudagraph_mode`` to whatever compilation config is there, keeping its other fields."""
+    if existing is None:
+        return {"cudagraph_mode": mode}
+    if isinstance(existing, bool):
+        raise TypeError(f"compilation_config={existing!r} is not a vLLM compilation config")
+    if isinstance(existing, int):
+        return {"mode": existing, "cudagraph_mode": mode}
+    if isinstance(existing, dict):
+        previous = existing.get("cudagraph_mode")
+        _warn_override(previous, mode)
+        return {**existing, "cudagraph_mode": mode}
+    if dataclasses.is_dataclass(existing) and hasattr(existing, "cudagraph_mode"):
+        previous = existing.cudagraph_mode
+        _warn_override(previous, mode)
+        enum_type = _cudagraph_mode_enum(previous)
+        return dataclasses.replace(existing, cudagraph_mode=enum_type[mode])  # type: ignore[type-var]
+    raise TypeError(
+        f"trl_vlm_fixes.cudagraph cannot merge into compilation_config of type {type(existing).__name__}; "
+        f"pass an int, a dict or a vllm.config.CompilationConfig, or set TRL_VLM_FIXES_CUDAGRAPH=0."
+    )
+
+
+def _cudagraph_mode_enum(previous: Any) -> Any:
+    if previous is not None and hasattr(type(previous), "__members__"):
+        return type(previous)
+    from vllm.config import CUDAGraphMode
+
+    return CUDAGraphMode
+
+
+def _warn_override(previous: Any, mode: str) -> None:
+    name = getattr(previous, "name", previous)
+    if previous is not None and str(name).upper() != mode:
+        LOGGER.warning(
+            "trl_vlm_fixes.cudagraph: replacing cudagraph_mode=%s with %s (set %s to choose, or "
+            "TRL_VLM_FIXES_CUDAGRAPH=0 to keep yours).",
+            name,
+            mode,
+            CUDAGRAPH_MODE_VARIABLE,
+        )
+
+
+class _EngineFactory:
+    """Stands in for ``LLM`` during one TRL call: adds the compilation config, then builds the real engine."""
+
+    def __init__(self, engine_class: Any, caller: str) -> None:
+        self.engine_class = engine_class
+        self.caller = caller
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mode = selected_mode()
+        kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
+        LOGGER.info(
+            "trl_vlm_fixes.cudagraph: %s builds the colocated vLLM engine with cudagraph_mode=%s (%s). Choose with "
+            "%s, or TRL_VLM_FIXES_CUDAGRAPH=0 for vLLM's default.",
+            self.caller,
+            mode,
+            SPEED_NOTE[mode],
+            CUDAGRAPH_MODE_VARIABLE,
+        )
+        return self.engine_class(*args, **kwargs)
+
+
+@contextmanager
+def _engine_factory_in(module_name: str, caller: str) -> Iterator[None]:
+    """Rebind the module's global ``LLM`` for the duration of one call; always restored."""
+    module = sys.modules.get(module_name)
+    engine_class = getattr(module, "LLM", None) if module is not None else None
+    if module is None or engine_class is None:  # vLLM absent: TRL raises its own ImportError
+        yield
+        return
+    factory = _EngineFactory(engine_class, caller)
+    module.LLM = factory  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if getattr(module, "LLM", None) is factory:
+            module.LLM = engine_class  # type: ignore[attr-defined]
+
+
+def _make_wrapper(module_name: str, caller: str) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with _engine_factory_in(module_name, caller):
+            return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _builds_engine(function: Callable[..., Any]) -> str | None:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return "source unavailable, cannot confirm that it builds vllm.LLM"
+    return None if "LLM(" in source else "no longer builds the engine with LLM(...)"
+
+
+def _already_configured(function: Callable[..., Any]) -> str | None:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    if "cudagraph_mode" in source:
+        return "TRL already sets cudagraph_mode for the colocated engine"
+    return None
+
+
+_GENERATION_MODULE = "trl.generation.vllm_generation"
+_ONLINE_DPO_MODULE = "trl.experimental.online_dpo.online_dpo_trainer"
+
+FIX = Fix(
+    name="cudagraph",
+    summary="colocated vLLM engine without CUDA graphs (Gated-DeltaNet decode hang)",
+    packages=("trl", "vllm"),
+    targets=(
+        Target(
+            module=_GENERATION_MODULE,
+            qualname="VLLMGeneration._init_vllm",
+            wrapper=_make_wrapper(_GENERATION_MODULE, "VLLMGeneration"),
+            shape_problem=_builds_engine,
+            upstream_fixed=_already_configured,
+        ),
+        Target(
+            module=_ONLINE_DPO_MODULE,
+            qualname="OnlineDPOTrainer.__init__",
+            wrapper=_make_wrapper(_ONLINE_DPO_MODULE, "OnlineDPOTrainer"),
+            shape_problem=_builds_engine,
+            upstream_fixed=_already_configured,
+            optional=True,
+        ),
+    ),
+)

@@ -1,0 +1,264 @@
+"""Apply and revert fixes in place with wrapt, attaching each one when its target module is imported.
+
+Modelled on ddtrace's ``_monkey`` and OpenTelemetry's instrumentors: post-import hooks make import order irrelevant,
+each wrapper sits on the class that defines the method (so subclasses inherit it), and revert puts back the exact
+original objects. A hook never breaks the user's import unless strict mode asked for that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from .switches import fix_enabled, fix_switch, strict_mode, validate_environment
+from .versions import version_drift
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+STATES = ("applied", "disabled", "skipped", "not-needed", "pending")
+
+WrapperFunction = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+TargetCheck = Callable[[Callable[..., Any]], "str | None"]
+
+
+class FixNotApplicableError(RuntimeError):
+    """Raised instead of a warning when TRL_VLM_FIXES_STRICT=1 and an enabled fix cannot be applied."""
+
+
+def _no_problem(function: Callable[..., Any]) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One method to wrap: ``qualname`` is ``Class.method`` inside ``module``."""
+
+    module: str
+    qualname: str
+    wrapper: WrapperFunction
+    required_parameters: tuple[str, ...] = ()
+    # Returns why the method no longer has the shape the wrapper relies on, or None.
+    shape_problem: TargetCheck = _no_problem
+    # Returns why upstream already solved the bug (the fix then steps aside), or None.
+    upstream_fixed: TargetCheck = _no_problem
+    # Experimental modules may be absent from other TRL releases: their absence is not a skip.
+    optional: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    summary: str
+    packages: tuple[str, ...]
+    targets: tuple[Target, ...]
+
+    @property
+    def switch(self) -> str:
+        return fix_switch(self.name)
+
+
+@dataclass
+class _Patched:
+    owner: type
+    attribute: str
+    original: Any
+    wrapper: Any
+
+
+@dataclass
+class _FixRecord:
+    enabled: bool = False
+    targets: dict[str, tuple[str, str]] = field(default_factory=dict)  # target key -> (state, detail)
+
+
+class Registry:
+    """Holds the fixes, their per-target state, and the originals needed for an exact revert."""
+
+    def __init__(self, fixes: tuple[Fix, ...]) -> None:
+        self.fixes = {fix.name: fix for fix in fixes}
+        self._records = {fix.name: _FixRecord() for fix in fixes}
+        self._patched: dict[str, _Patched] = {}
+        self._hooked_modules: set[str] = set()
+        self._active = False
+        self._reverted = False
+        self._strict = False
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ public
+    def apply(self) -> None:
+        """Enable every switched-on fix; idempotent. Bad switch values raise SwitchValueError at once."""
+        with self._lock:
+            validate_environment(list(self.fixes))
+            if self._active:
+                return
+            self._strict = strict_mode()
+            self._active = True
+            self._reverted = False
+            for fix in self.fixes.values():
+                record = self._records[fix.name]
+                record.enabled = fix_enabled(fix.name)
+                record.targets = {target.key: ("pending", f"waits for `import {target.module}`") for target in fix.targets}
+                if record.enabled:
+                    self._warn_version_drift(fix)
+            for module_name in sorted({t.module for f in self.fixes.values() for t in f.targets}):
+                if module_name in self._hooked_modules:
+                    if module_name in sys.modules:
+                        self._on_import(sys.modules[module_name])
+                else:
+                    self._hooked_modules.add(module_name)
+                    wrapt.register_post_import_hook(self._on_import, module_name)
+            LOGGER.info("trl_vlm_fixes: %s", self.summary())
+
+    def revert(self) -> None:
+        """Put back the exact original attributes; nothing of ours stays on any class."""
+        with self._lock:
+            for key, patched in list(self._patched.items()):
+                current = vars(patched.owner).get(patched.attribute)
+                if current is patched.wrapper:
+                    setattr(patched.owner, patched.attribute, patched.original)
+                else:
+                    LOGGER.warning(
+                        "trl_vlm_fixes: %s.%s was replaced by someone else after we wrapped it; leaving it alone.",
+                        patched.owner.__name__,
+                        patched.attribute,
+                    )
+                del self._patched[key]
+            self._active = False
+            self._reverted = True
+            LOGGER.info("trl_vlm_fixes: all fixes reverted")
+
+    def import_targets(self) -> None:
+        """Import every target module so that the states become final (used by the CLI and the self-test)."""
+        for fix in self.fixes.values():
+            for target in fix.targets:
+                try:
+                    importlib.import_module(target.module)
+                except ModuleNotFoundError as error:
+                    if target.optional and error.name and target.module.startswith(error.name):
+                        self._set(fix, target, "absent", f"{target.module} does not exist in this TRL")
+                    elif self._active and self._records[fix.name].enabled:
+                        self._skip(fix, target, f"cannot import {target.module}: {error}")
+                except Exception as error:  # noqa: BLE001 - report, never crash the status command
+                    if self._active and self._records[fix.name].enabled:
+                        self._skip(fix, target, f"cannot import {target.module}: {error!r}")
+
+    def fix_state(self, name: str) -> tuple[str, str]:
+        """(state, detail) of one fix, aggregated over its targets."""
+        fix = self.fixes[name]
+        record = self._records[name]
+        if self._reverted and not self._active:
+            return "disabled", "reverted by trl_vlm_fixes.revert(); trl_vlm_fixes.apply() puts it back"
+        if not record.enabled:
+            return "disabled", f"turned off by the environment ({fix.switch} or TRL_VLM_FIXES)"
+        states = {key: value for key, value in record.targets.items() if value[0] != "absent"}
+        by_state: dict[str, list[str]] = {}
+        for state, detail in states.values():
+            by_state.setdefault(state, []).append(detail)
+        if "skipped" in by_state:
+            return "skipped", "; ".join(by_state["skipped"])
+        if "applied" in by_state:
+            return "applied", "; ".join(by_state["applied"] + by_state.get("pending", []))
+        if "not-needed" in by_state:
+            return "not-needed", "; ".join(by_state["not-needed"])
+        return "pending", "; ".join(by_state.get("pending", [])) or "no target present"
+
+    def summary(self) -> str:
+        return ", ".join(f"{name}={self.fix_state(name)[0]}" for name in self.fixes)
+
+    def is_patched(self, owner: type, attribute: str) -> bool:
+        return any(p.owner is owner and p.attribute == attribute for p in self._patched.values())
+
+    # ----------------------------------------------------------------- internals
+    def _warn_version_drift(self, fix: Fix) -> None:
+        drift = version_drift(fix.packages)
+        if drift:
+            found = ", ".join(f"{pkg} {installed} (validated: {validated})" for pkg, installed, validated in drift)
+            LOGGER.warning(
+                "trl_vlm_fixes: fix %s was validated on other versions than installed: %s. It still applies if its "
+                "target has the expected shape; set %s=0 to turn it off.",
+                fix.name,
+                found,
+                fix.switch,
+            )
+
+    def _on_import(self, module: ModuleType) -> None:
+        """Post-import hook: must never break the import (unless strict mode asks for it)."""
+        try:
+            with self._lock:
+                if not self._active:
+                    return
+                for fix in self.fixes.values():
+                    if not self._records[fix.name].enabled:
+                        continue
+                    for target in fix.targets:
+                        if target.module == module.__name__ and target.key not in self._patched:
+                            self._patch(fix, target, module)
+        except FixNotApplicableError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
+            LOGGER.warning("trl_vlm_fixes: internal error while patching %s: %r", module.__name__, error)
+
+    def _patch(self, fix: Fix, target: Target, module: ModuleType) -> None:
+        class_name, _, attribute = target.qualname.rpartition(".")
+        owner = getattr(module, class_name, None)
+        if not isinstance(owner, type):
+            self._skip(fix, target, f"{target.module}.{class_name} not found")
+            return
+        if attribute not in vars(owner):
+            self._skip(fix, target, f"{target.qualname} is no longer defined on {class_name}")
+            return
+        original = vars(owner)[attribute]
+        if not callable(original):
+            self._skip(fix, target, f"{target.qualname} is not a function")
+            return
+        problem = _missing_parameters(original, target.required_parameters) or target.shape_problem(original)
+        if problem:
+            self._skip(fix, target, f"{target.qualname}: {problem}")
+            return
+        reason = target.upstream_fixed(original)
+        if reason:
+            self._set(fix, target, "not-needed", f"{target.qualname}: {reason}")
+            LOGGER.info("trl_vlm_fixes: %s steps aside for %s: %s", fix.name, target.qualname, reason)
+            return
+        wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+        setattr(owner, attribute, wrapper)
+        self._patched[target.key] = _Patched(owner, attribute, original, wrapper)
+        self._set(fix, target, "applied", f"{target.qualname} wrapped")
+        LOGGER.debug("trl_vlm_fixes: %s wrapped %s", fix.name, target.key)
+
+    def _set(self, fix: Fix, target: Target, state: str, detail: str) -> None:
+        self._records[fix.name].targets[target.key] = (state, detail)
+
+    def _skip(self, fix: Fix, target: Target, reason: str) -> None:
+        self._set(fix, target, "skipped", reason)
+        message = (
+            f"trl_vlm_fixes: fix {fix.name} cannot be applied ({reason}); the run continues without it. "
+            f"Set {fix.switch}=0 to acknowledge, or pin trl==1.9.1."
+        )
+        if self._strict:
+            raise FixNotApplicableError(message + " (raised because TRL_VLM_FIXES_STRICT=1)")
+        LOGGER.warning(message)
+
+
+def _missing_parameters(function: Callable[..., Any], required: tuple[str, ...]) -> str | None:
+    if not required:
+        return None
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return "signature cannot be inspected"
+    missing = [name for name in required if name not in parameters]
+    return f"signature lacks {', '.join(missing)}" if missing else None

@@ -1,0 +1,34 @@
+"""The status report: one dict (the CLI's --json) and its table rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .versions import VALIDATED, installed_versions
+
+
+def build_status(registry: Any, version: str) -> dict[str, Any]:
+    patches = {}
+    for name, fix in registry.fixes.items():
+        state, detail = registry.fix_state(name)
+        patches[name] = {"state": state, "detail": detail, "switch": fix.switch, "summary": fix.summary}
+    return {
+        "version": version,
+        "versions": installed_versions(),
+        "validated": dict(VALIDATED),
+        "patches": patches,
+    }
+
+
+def render_table(status: dict[str, Any]) -> str:
+    versions = status["versions"]
+    lines = [
+        f"trl_vlm_fixes {status['version']}",
+        "installed: " + ", ".join(f"{name} {versions[name] or '-'}" for name in versions),
+        "validated: " + ", ".join(f"{name} {value}" for name, value in status["validated"].items()),
+        "",
+        f"{'fix':<12} {'state':<11} {'switch':<28} detail",
+    ]
+    for name, patch in status["patches"].items():
+        lines.append(f"{name:<12} {patch['state']:<11} {patch['switch'] + '=0 to turn off':<28} {patch['detail']}")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Environment switches: read once per apply(), validated strictly so a typo never silently changes behaviour."""
+
+from __future__ import annotations
+
+import os
+
+MASTER_SWITCH = "TRL_VLM_FIXES"
+STRICT_SWITCH = "TRL_VLM_FIXES_STRICT"
+CUDAGRAPH_MODE_VARIABLE = "TRL_VLM_FIXES_CUDAGRAPH_MODE"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+ACCEPTED_VALUES = "1/0, true/false, yes/no, on/off (any case)"
+
+
+class SwitchValueError(ValueError):
+    """A trl_vlm_fixes environment variable holds a value we do not understand."""
+
+
+def fix_switch(fix_name: str) -> str:
+    """The variable that turns one fix off, e.g. ``TRL_VLM_FIXES_MM_REALIGN``."""
+    return f"{MASTER_SWITCH}_{fix_name.upper()}"
+
+
+def read_bool(variable: str, default: bool) -> bool:
+    """Parse a boolean switch; unknown values raise instead of guessing."""
+    raw = os.environ.get(variable)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SwitchValueError(
+        f"{variable}={raw!r} is not a valid switch value. Accepted values: {ACCEPTED_VALUES}. "
+        f"Fix it with e.g. `export {variable}=0` or unset it."
+    )
+
+
+def fix_enabled(fix_name: str) -> bool:
+    """A fix runs unless the master switch or its own switch turns it off (both are validated)."""
+    master = read_bool(MASTER_SWITCH, True)
+    own = read_bool(fix_switch(fix_name), True)
+    return master and own
+
+
+def strict_mode() -> bool:
+    return read_bool(STRICT_SWITCH, False)
+
+
+def validate_environment(fix_names: list[str]) -> None:
+    """Fail at import time on any malformed switch, not later in the middle of a run."""
+    for variable in [MASTER_SWITCH, STRICT_SWITCH, *(fix_switch(name) for name in fix_names)]:
+        read_bool(variable, True)

@@ -1,0 +1,143 @@
+"""A tiny random Qwen3.5 vision-language model and processor, built offline (tests, example, self-test).
+
+Nothing is downloaded: a byte-level vocabulary with the Qwen special tokens, a 2-layer text model (one
+Gated-DeltaNet linear-attention layer, one full-attention layer) and a 1-block vision tower.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+PATCH_SIZE = 16
+MERGE_SIZE = 2
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: index for index, char in enumerate(sorted(bytes_to_unicode().values()))}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return vocab
+
+
+def build_processor() -> Any:
+    """A working Qwen3VLProcessor over the tiny vocabulary (default padding side, as a user would load it)."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+    tokenizer = Qwen3_5Tokenizer(vocab=_byte_level_vocab(), merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    pixels = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, size=pixels
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, size=pixels
+    )
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen3_5Config
+
+    text_config = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 32,
+        "num_position_embeddings": 64,
+    }
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_qwen35_vlm(directory: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen3.5 VLM checkpoint and its processor to ``directory``; returns the path."""
+    import torch
+    from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
+
+    directory = Path(directory)
+    processor = build_processor()
+    tokenizer = processor.tokenizer
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(build_config(len(tokenizer), token_ids)).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
+    )
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def special_token_ids(tokenizer: Any) -> list[int]:
+    """Ids a random model must never sample (a sampled vision pad would break any VLM forward)."""
+    return [int(tokenizer.convert_tokens_to_ids(token)) for token in SPECIAL_TOKENS[3:]]
