@@ -77,3 +77,18 @@ def make_trainer(tiny_model_dir: Path, processor: Any, tmp_path: Path) -> Callab
         )
 
     return build
+
+
+@pytest.fixture
+def one_fix_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Turn one fix off through its environment switch (the others stay on), restored after the test."""
+
+    def turn_off(name: str) -> None:
+        monkeypatch.setenv(f"TRL_VLM_FIXES_{name.upper()}", "0")
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()
+
+    yield turn_off  # type: ignore[misc]
+    monkeypatch.undo()
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .metrics import support_targets
 from .patches import ALL_FIXES
 from .patches.cudagraph import CudagraphModeError, selected_mode
 from .registry import FixNotApplicableError, Registry
@@ -25,7 +26,7 @@ __all__ = [
     "status",
 ]
 
-REGISTRY = Registry(ALL_FIXES)
+REGISTRY = Registry(ALL_FIXES, support=support_targets())
 
 
 def apply() -> None:

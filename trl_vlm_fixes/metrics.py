@@ -7,6 +7,7 @@ anyway, so counting adds no synchronization to the training step.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 PREFIX = "trl_vlm_fixes/"
@@ -31,6 +32,32 @@ def drain(owner: Any) -> dict[str, float]:
     if not pending:
         return {}
     return {name: float(sum(float(v) for v in values)) for name, values in pending.items()}
+
+
+def flush_into_trainer_log(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Wrapper of the trainers' ``log``: adds this interval's counters to TRL's own metrics, then logs."""
+    try:
+        values = drain(instance)
+        for name, value in drain(getattr(instance, "vllm_generation", None)).items():
+            values[name] = values.get(name, 0.0) + value
+        if values:
+            mode = "train" if instance.model.training else "eval"
+            for name, value in values.items():
+                instance._metrics[mode][name].append(value)
+    except Exception:  # noqa: BLE001 - metrics must never break logging
+        pass
+    return wrapped(*args, **kwargs)
+
+
+def support_targets() -> tuple[Any, ...]:
+    from .registry import Target
+
+    return tuple(
+        Target(module=module, qualname=f"{cls}.log", wrapper=flush_into_trainer_log)
+        for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+    )
 
 
 def peek(owner: Any) -> dict[str, float]:

@@ -87,8 +87,10 @@ class _FixRecord:
 class Registry:
     """Holds the fixes, their per-target state, and the originals needed for an exact revert."""
 
-    def __init__(self, fixes: tuple[Fix, ...]) -> None:
+    def __init__(self, fixes: tuple[Fix, ...], support: tuple[Target, ...] = ()) -> None:
         self.fixes = {fix.name: fix for fix in fixes}
+        # Support targets (the metrics flush) serve every fix: wrapped while any fix is enabled, never reported.
+        self.support = support
         self._records = {fix.name: _FixRecord() for fix in fixes}
         self._patched: dict[str, _Patched] = {}
         self._hooked_modules: set[str] = set()
@@ -113,7 +115,8 @@ class Registry:
                 record.targets = {target.key: ("pending", f"waits for `import {target.module}`") for target in fix.targets}
                 if record.enabled:
                     self._warn_version_drift(fix)
-            for module_name in sorted({t.module for f in self.fixes.values() for t in f.targets}):
+            modules = {t.module for f in self.fixes.values() for t in f.targets} | {t.module for t in self.support}
+            for module_name in sorted(modules):
                 if module_name in self._hooked_modules:
                     if module_name in sys.modules:
                         self._on_import(sys.modules[module_name])
@@ -206,6 +209,10 @@ class Registry:
                     for target in fix.targets:
                         if target.module == module.__name__ and target.key not in self._patched:
                             self._patch(fix, target, module)
+                if any(record.enabled for record in self._records.values()):
+                    for target in self.support:
+                        if target.module == module.__name__ and target.key not in self._patched:
+                            self._patch_support(target, module)
         except FixNotApplicableError:
             raise
         except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
@@ -238,6 +245,17 @@ class Registry:
         self._patched[target.key] = _Patched(owner, attribute, original, wrapper)
         self._set(fix, target, "applied", f"{target.qualname} wrapped")
         LOGGER.debug("trl_vlm_fixes: %s wrapped %s", fix.name, target.key)
+
+    def _patch_support(self, target: Target, module: ModuleType) -> None:
+        class_name, _, attribute = target.qualname.rpartition(".")
+        owner = getattr(module, class_name, None)
+        if not isinstance(owner, type) or attribute not in vars(owner):
+            LOGGER.debug("trl_vlm_fixes: support target %s absent; fix metrics will not be logged", target.key)
+            return
+        original = vars(owner)[attribute]
+        wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+        setattr(owner, attribute, wrapper)
+        self._patched[target.key] = _Patched(owner, attribute, original, wrapper)
 
     def _set(self, fix: Fix, target: Target, state: str, detail: str) -> None:
         self._records[fix.name].targets[target.key] = (state, detail)

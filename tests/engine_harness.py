@@ -1,0 +1,62 @@
+"""Drive TRL's real VLLMGeneration on the behavioural engine stand-in, the way TRL's trainers call it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trl_vlm_fixes.engine_standin import engine_weights_match, trainer_weights
+
+
+class TrainerLoop:
+    """TRL's calling pattern: sync when ``global_step`` changed, then generate (GRPOTrainer._generate)."""
+
+    def __init__(self, generation: Any) -> None:
+        self.generation = generation
+        self.model = generation.model
+        self.engine = generation.llm
+        self.global_step = 0
+        self.last_loaded_step = -1
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
+        self.generates = 0
+        self.stale = 0  # rollouts that ran on anything but the trainer's current weights
+        self.on_checkpoint = 0  # ... of which on the original checkpoint (base model)
+        self.on_zeros = 0  # ... of which on discarded (all-zero) weights
+        self.max_full_pushes_per_generate = 0.0
+        self._pushes_at_last_generate = 0
+        self._parameters = sum(1 for _ in self.model.parameters())
+
+    def optimizer_step(self) -> None:
+        generator = torch.Generator().manual_seed(self.global_step)
+        for parameter in self.model.parameters():
+            parameter.grad = torch.randn(parameter.shape, generator=generator)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.global_step += 1
+
+    def sync(self) -> None:
+        """A sync of its own (not for a rollout): its push is not counted against the next generate."""
+        self.generation.sync_weights()
+        self._pushes_at_last_generate = self.engine.tensor_pushes
+
+    def trl_generate(self) -> None:
+        """One rollout as GRPOTrainer._generate does it (evaluation takes the same path)."""
+        if self.global_step != self.last_loaded_step:
+            self.generation.sync_weights()
+            self.last_loaded_step = self.global_step
+        self.generate_again()
+
+    def generate_again(self) -> None:
+        """A rollout with no sync before it: another generation in the same step, a tool-loop turn."""
+        self.generation.generate(prompts=[[1, 2, 3], [4, 5, 6]], images=None, num_generations=1)
+        self.generates += 1
+        snapshot = self.engine.rollouts[-1]
+        current = trainer_weights(self.model)
+        if not engine_weights_match(snapshot, current):
+            self.stale += 1
+            self.on_checkpoint += engine_weights_match(snapshot, self.engine.checkpoint)
+            self.on_zeros += all(not t.any() for t in snapshot.values())
+        pushes = self.engine.tensor_pushes - self._pushes_at_last_generate
+        self._pushes_at_last_generate = self.engine.tensor_pushes
+        self.max_full_pushes_per_generate = max(self.max_full_pushes_per_generate, pushes / self._parameters)

@@ -1,0 +1,185 @@
+"""mm_realign on the real stack: real TRL trainers, the real transformers Qwen3.5 classes, tiny random weights.
+
+Every bug test first shows the bug with the fix reverted (upstream behaviour), then shows it gone with the fix on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from scoring import max_batch_vs_alone_gap, score_batch
+
+import trl_vlm_fixes
+from trl_vlm_fixes.demo import MIXED_SAMPLES, conversation, make_image, mixed_rows
+from trl_vlm_fixes.realign import VisionTokenMismatchError, rebuild_mm_token_type_ids
+
+# Orders of the four mixed samples: most crash upstream; the reversed one is scored silently wrong.
+CRASHING_ORDER = [0, 1, 2, 3]
+SILENT_ORDER = [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_mixed_batch_crashes_upstream(make_trainer: Any, fixes_off: None, kind: str) -> None:
+    trainer = make_trainer(kind)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_mixed_batch_trains_with_fix(make_trainer: Any, kind: str) -> None:
+    trainer = make_trainer(kind)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    realigned = [log["trl_vlm_fixes/mm_realigned_rows"] for log in trainer.state.log_history if "loss" in log]
+    assert len(realigned) == 2 and all(value > 0 for value in realigned)
+
+
+def test_upstream_scores_a_mixed_batch_silently_wrong(make_trainer: Any, processor: Any, fixes_off: None) -> None:
+    trainer = make_trainer("grpo")
+    rows = [mixed_rows()[i] for i in SILENT_ORDER]
+    assert max_batch_vs_alone_gap(trainer, processor, rows) > 1e-3
+
+
+@pytest.mark.parametrize("order", [CRASHING_ORDER, SILENT_ORDER, [1, 0, 3, 2]])
+def test_each_row_scored_as_alone_with_fix(make_trainer: Any, processor: Any, order: list[int]) -> None:
+    trainer = make_trainer("grpo")
+    rows = [mixed_rows()[i] for i in order]
+    assert max_batch_vs_alone_gap(trainer, processor, rows) <= 1e-5
+
+
+def test_several_images_per_prompt(make_trainer: Any, processor: Any, fixes_off: None) -> None:
+    rows = [
+        {"prompt": conversation("two pictures", images=2), "images": [make_image(128, 96, 1), make_image(32, 32, 2)]},
+        {"prompt": conversation("compare these two images in detail", images=2),
+         "images": [make_image(64, 32, 3), make_image(96, 64, 4)]},
+    ]
+    trainer = make_trainer("grpo")
+    with pytest.raises(RuntimeError):
+        max_batch_vs_alone_gap(trainer, processor, rows)
+    trl_vlm_fixes.apply()
+    assert max_batch_vs_alone_gap(trainer, processor, rows) <= 1e-5
+
+
+def test_pad_to_multiple_of(make_trainer: Any, processor: Any) -> None:
+    trainer = make_trainer("grpo", pad_to_multiple_of=16)
+    out, _ = score_batch(trainer, mixed_rows())
+    assert out["prompt_ids"].size(1) % 16 == 0
+    assert max_batch_vs_alone_gap(trainer, processor, mixed_rows()) <= 1e-5
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_equal_length_batch_is_bit_identical_on_and_off(make_trainer: Any) -> None:
+    same_shape = tuple((96, 64, text) for text in ("cats", "dogs"))
+    rows = mixed_rows(same_shape)
+    trainer = make_trainer("grpo")
+    torch.manual_seed(0)
+    out_on, logps_on = score_batch(trainer, rows)
+    trl_vlm_fixes.revert()
+    try:
+        torch.manual_seed(0)
+        out_off, logps_off = score_batch(trainer, rows)
+    finally:
+        trl_vlm_fixes.apply()
+    assert torch.equal(out_on["completion_ids"], out_off["completion_ids"])
+    assert torch.equal(logps_on, logps_off)
+
+
+def test_rebuild_marks_images_and_videos(processor: Any) -> None:
+    """Image pad -> 1, video pad -> 2, everything else 0: what the processor builds for an unpadded row."""
+    import numpy as np
+
+    video = [np.full((64, 64, 3), 40 * i, dtype=np.uint8) for i in range(4)]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "image"}, {"type": "text", "text": "hm"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    encoded = processor(text=[text], images=[make_image(64, 32)], videos=[video], return_tensors="pt")
+    tokenizer = processor.tokenizer
+    rebuilt = rebuild_mm_token_type_ids(
+        encoded["input_ids"], tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+    )
+    assert (rebuilt == 2).any() and (rebuilt == 1).any()
+    assert torch.equal(rebuilt, encoded["mm_token_type_ids"].to(rebuilt.dtype))
+
+
+def test_videos_get_the_same_rope_positions_in_a_left_padded_batch(processor: Any, tiny_model_dir: Any) -> None:
+    """Mixed video batch, left-padded like TRL's prompts: realigned markers give each row its unpadded positions."""
+    import numpy as np
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
+    tokenizer = processor.tokenizer
+    videos = [[np.full((64, 64, 3), 9 * i, dtype=np.uint8) for i in range(4)],
+              [np.full((32, 64, 3), 9 * i, dtype=np.uint8) for i in range(2)]]
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": t}]}],
+        tokenize=False, add_generation_prompt=True) for t in ("a", "a much longer question about every frame of this clip")]
+    left = processor(text=texts, videos=videos, padding=True, padding_side="left", return_tensors="pt")
+    right = processor(text=texts, videos=videos, padding=True, padding_side="right", return_tensors="pt")
+    realigned = rebuild_mm_token_type_ids(left["input_ids"], tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                                          tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+    assert torch.equal(realigned, left["mm_token_type_ids"].to(realigned.dtype))
+    assert not torch.equal(realigned, right["mm_token_type_ids"].to(realigned.dtype))  # what TRL would pass
+    batch_positions, _ = model.model.get_rope_index(
+        left["input_ids"], realigned, video_grid_thw=left["video_grid_thw"], attention_mask=left["attention_mask"])
+    for row in range(2):
+        alone = processor(text=[texts[row]], videos=[videos[row]], return_tensors="pt")
+        alone_positions, _ = model.model.get_rope_index(
+            alone["input_ids"], alone["mm_token_type_ids"], video_grid_thw=alone["video_grid_thw"])
+        keep = left["attention_mask"][row].bool()
+        assert torch.equal(batch_positions[:, row, keep], alone_positions[:, 0])
+
+
+def test_truncated_image_raises_a_clear_error(make_trainer: Any) -> None:
+    trainer = make_trainer("grpo")
+    out, _ = score_batch(trainer, mixed_rows()[:2])
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    image_pad = trainer._image_pad_token_id
+    first_pad = int((ids[1] == image_pad).nonzero()[0])
+    ids[1, first_pad] = trainer.processing_class.tokenizer.convert_tokens_to_ids("a")  # as if truncation cut it
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with pytest.raises(VisionTokenMismatchError, match=r"row 1: \d+ image tokens in input_ids, \d+ needed"):
+        trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, out["completion_ids"].size(1), pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"], num_images=out["num_images"],
+            mm_token_type_ids=out["mm_token_type_ids"])
+
+
+def test_unknown_pad_ids_leave_markers_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    from trl_vlm_fixes.patches.mm_realign import realign_wrapper
+
+    class NoVisionIds:
+        processing_class = None
+
+    seen: dict[str, Any] = {}
+
+    def scoring(model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
+                mm_token_type_ids: Any = None, image_grid_thw: Any = None, num_images: Any = None) -> Any:
+        seen["markers"] = mm_token_type_ids
+        return "scored"
+
+    markers = torch.tensor([[0, 1, 1, 0]])
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        result = realign_wrapper(scoring, NoVisionIds(), (None, torch.tensor([[5, 6, 6, 7]]), None, 1),
+                                 {"mm_token_type_ids": markers})
+    assert result == "scored" and seen["markers"] is markers
+    assert "no image or video pad token id is known" in caplog.text
+
+
+def test_rebuild_is_vectorized_without_python_loops() -> None:
+    ids = torch.randint(0, 300, (16, 8192))
+    markers = rebuild_mm_token_type_ids(ids, 261, 262)
+    assert markers.shape == ids.shape and markers.dtype == ids.dtype
+    assert torch.equal(markers, (ids == 261).long() + 2 * (ids == 262).long())
+
+
+def test_mixed_samples_really_differ_in_length(processor: Any) -> None:
+    lengths = set()
+    for width, height, text in MIXED_SAMPLES:
+        rendered = processor.apply_chat_template(conversation(text), tokenize=False, add_generation_prompt=True)
+        encoded = processor(images=[make_image(width, height)], text=[rendered], return_tensors="pt")
+        lengths.add(encoded["input_ids"].size(1))
+    assert len(lengths) == len(MIXED_SAMPLES)

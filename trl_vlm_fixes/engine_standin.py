@@ -1,0 +1,155 @@
+"""A behavioural stand-in for ``vllm.LLM`` in colocate mode, for CPU machines where no vLLM engine can run.
+
+It models what the reload_skip fix is about, as measured on an H200 with vLLM 0.25.1: level-2 sleep discards the
+weights (they read as zeros after waking), ``collective_rpc("reload_weights")`` restores the checkpoint from disk,
+``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. Its public methods keep
+the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so it cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    return weights
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int = 1
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class _WeightLoader:
+    """``llm_engine.model_executor.driver_worker.model_runner.model``: where TRL pushes tensors."""
+
+    def __init__(self, engine: StandInLLM) -> None:
+        self._engine = engine
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if not self._engine.weights_awake:
+                raise RuntimeError(f"load_weights({name}) while the weights are asleep: wake_up first")
+            self._engine.weights[name] = tensor.detach().to("cpu", copy=True)
+            self._engine.tensor_pushes += 1
+            loaded.add(name)
+        return loaded
+
+
+class StandInLLM:
+    """Colocated engine: sleep levels, reload from disk, pushed weights, and a record of each rollout's weights."""
+
+    def __init__(self, model: str, *, enable_sleep_mode: bool = False, **kwargs: Any) -> None:
+        self.init_kwargs: dict[str, Any] = {"model": model, "enable_sleep_mode": enable_sleep_mode, **kwargs}
+        self.checkpoint = read_checkpoint(model)
+        self.weights = {name: tensor.clone() for name, tensor in self.checkpoint.items()}
+        self.weights_awake = True
+        self.kv_cache_awake = True
+        self.disk_reloads = 0
+        self.tensor_pushes = 0
+        self.sleeps: list[int] = []
+        self.rollouts: list[dict[str, torch.Tensor]] = []
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(
+                driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=_WeightLoader(self)))
+            )
+        )
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if not self.init_kwargs["enable_sleep_mode"]:
+            raise RuntimeError("sleep() needs enable_sleep_mode=True")
+        self.sleeps.append(level)
+        if level >= 2:  # level 2 frees the weights: what is read after waking up is garbage (zeros on an H200)
+            self.weights = {name: torch.zeros_like(tensor) for name, tensor in self.weights.items()}
+        self.weights_awake = False
+        self.kv_cache_awake = False
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        self.weights_awake = self.weights_awake or "weights" in tags
+        self.kv_cache_awake = self.kv_cache_awake or "kv_cache" in tags
+
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        if method == "reload_weights":
+            self.weights = {name: tensor.clone() for name, tensor in read_checkpoint(self.init_kwargs["model"]).items()}
+            self.disk_reloads += 1
+            return [None]
+        raise NotImplementedError(f"stand-in engine has no worker method {method!r}")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return True
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: Any = None,
+        *,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        if not (self.weights_awake and self.kv_cache_awake):
+            raise RuntimeError("generate() on a sleeping engine")
+        self.rollouts.append({name: tensor.clone() for name, tensor in self.weights.items()})
+        n = getattr(sampling_params, "n", 1) or 1
+        max_tokens = getattr(sampling_params, "max_tokens", 4) or 4
+        want_logprobs = getattr(sampling_params, "logprobs", None) is not None
+        outputs = []
+        for prompt in prompts if isinstance(prompts, list) else [prompts]:
+            ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt)
+            completions = []
+            for k in range(n):
+                tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(max_tokens)]
+                logprobs = [{t: Logprob(-1.0)} for t in tokens] if want_logprobs else None
+                completions.append(CompletionOutput(tokens, logprobs))
+            outputs.append(RequestOutput(ids, completions))
+        return outputs
+
+
+def engine_weights_match(snapshot: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:
+    """Every tensor of ``reference`` equals the engine's (the engine may hold more names, never different values)."""
+    return all(name in snapshot and torch.equal(snapshot[name], tensor.cpu()) for name, tensor in reference.items())
+
+
+def trainer_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The trainer's parameters under the names TRL pushes them with."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+class StandInSamplingParams:
+    """Only where vLLM is not installed: holds the sampling arguments TRL passes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.n = 1
+        self.max_tokens = 16
+        self.logprobs = None
+        self.__dict__.update(kwargs)
