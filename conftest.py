@@ -92,3 +92,33 @@ def one_fix_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Non
     monkeypatch.undo()
     trl_vlm_fixes.revert()
     trl_vlm_fixes.apply()
+
+
+@pytest.fixture
+def make_generation(
+    tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., Any]:
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM, StandInSamplingParams
+    from accelerate import Accelerator
+    from transformers import AutoModelForImageTextToText
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    if not hasattr(vllm_generation, "SamplingParams"):
+        monkeypatch.setattr(vllm_generation, "SamplingParams", StandInSamplingParams, raising=False)
+
+    def build(enable_sleep_mode: bool = True, engine_class: type | None = None) -> Any:
+        monkeypatch.setattr(vllm_generation, "LLM", engine_class or StandInLLM, raising=False)
+        model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
+        return vllm_generation.VLLMGeneration(
+            model=model,
+            accelerator=Accelerator(cpu=True),
+            processing_class=processor,
+            mode="colocate",
+            enable_sleep_mode=enable_sleep_mode,
+            max_completion_length=4,
+        )
+
+    return build

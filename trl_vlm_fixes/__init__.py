@@ -26,7 +26,8 @@ __all__ = [
     "status",
 ]
 
-REGISTRY = Registry(ALL_FIXES, support=support_targets())
+# One registry per process, kept across importlib.reload so that a reload never wraps anything twice.
+REGISTRY: Registry = globals().get("REGISTRY") or Registry(ALL_FIXES, support=support_targets())
 
 
 def apply() -> None:

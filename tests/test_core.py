@@ -1,0 +1,278 @@
+"""The plugin core: import order, idempotence, exact revert, switches, version and structural guards, status."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import pytest
+from subprocess_helpers import last_json, run_python
+
+import trl_vlm_fixes
+
+TARGET = "_get_per_token_logps_and_entropies"
+
+PROBE = f"""
+import wrapt
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.rloo_trainer import RLOOTrainer
+import trl.generation.vllm_generation as vg
+def layers(obj):
+    depth = 0
+    while isinstance(obj, wrapt.FunctionWrapper):
+        depth, obj = depth + 1, obj.__wrapped__
+    return depth
+import trl_vlm_fixes
+print(json.dumps({{
+    "grpo": layers(GRPOTrainer.__dict__["{TARGET}"]),
+    "rloo": layers(RLOOTrainer.__dict__["{TARGET}"]),
+    "generate": layers(vg.VLLMGeneration.__dict__["generate"]),
+    "init_vllm": layers(vg.VLLMGeneration.__dict__["_init_vllm"]),
+    "states": {{k: v["state"] for k, v in trl_vlm_fixes.status()["patches"].items()}},
+}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        "import trl_vlm_fixes",  # plugin first
+        "import trl.trainer.grpo_trainer, trl.trainer.rloo_trainer, trl.generation.vllm_generation",  # trl first
+        "from trl import GRPOTrainer\nclass Mine(GRPOTrainer): pass\nimport trl_vlm_fixes",  # subclass defined first
+    ],
+)
+def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
+    report = last_json(run_python(before + "\n" + PROBE, with_vllm=before.startswith("import trl.")))
+    assert report == {
+        "grpo": 1, "rloo": 1, "generate": 1, "init_vllm": 1,
+        "states": {"mm_realign": "applied", "reload_skip": "applied", "cudagraph": "applied"},
+    }
+
+
+def test_plugin_import_imports_no_heavy_package() -> None:
+    report = last_json(run_python("""
+        import trl_vlm_fixes
+        print(json.dumps(sorted(m for m in ("torch", "trl", "transformers", "vllm") if m in sys.modules)))
+    """, with_vllm=True))
+    assert report == []
+
+
+def test_double_import_and_apply_wrap_nothing_twice() -> None:
+    report = last_json(run_python("import trl_vlm_fixes, importlib\ntrl_vlm_fixes.apply()\ntrl_vlm_fixes.apply()\n"
+                                  "importlib.reload(trl_vlm_fixes)\n" + PROBE))
+    assert (report["grpo"], report["rloo"], report["generate"]) == (1, 1, 1)
+
+
+def _patched_methods() -> dict[tuple[type, str], Any]:
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.rloo_trainer import RLOOTrainer
+
+    return {
+        (cls, name): vars(cls)[name]
+        for cls, name in (
+            (GRPOTrainer, TARGET), (RLOOTrainer, TARGET), (GRPOTrainer, "log"), (RLOOTrainer, "log"),
+            (VLLMGeneration, "generate"), (VLLMGeneration, "sync_weights"), (VLLMGeneration, "_init_vllm"),
+        )
+    }
+
+
+def _class_dicts() -> list[dict[str, Any]]:
+    return [dict(vars(cls)) for cls in {cls for cls, _ in _patched_methods()}]
+
+
+def test_revert_restores_the_exact_objects_then_apply_again() -> None:
+    import wrapt
+
+    _patched_methods()
+    trl_vlm_fixes.revert()
+    originals = _patched_methods()
+    dicts = _class_dicts()
+    assert not any(isinstance(obj, wrapt.FunctionWrapper) for obj in originals.values())
+    trl_vlm_fixes.apply()
+    patched = _patched_methods()
+    assert all(isinstance(obj, wrapt.FunctionWrapper) and obj.__wrapped__ is originals[key]
+               for key, obj in patched.items())
+    trl_vlm_fixes.apply()  # idempotent
+    assert _patched_methods() == patched
+    trl_vlm_fixes.revert()
+    assert all(_patched_methods()[key] is original for key, original in originals.items())
+    after = _class_dicts()
+    assert [set(d) for d in after] == [set(d) for d in dicts]  # nothing left behind on any class
+    assert {k: v["state"] for k, v in trl_vlm_fixes.status()["patches"].items()} == dict.fromkeys(
+        ("mm_realign", "reload_skip", "cudagraph"), "disabled")
+    trl_vlm_fixes.apply()
+    assert set(trl_vlm_fixes.status()["patches"][n]["state"] for n in ("mm_realign", "reload_skip", "cudagraph")) == {
+        "applied"}
+
+
+def test_subclass_inherits_the_fix() -> None:
+    import wrapt
+    from trl import GRPOTrainer, RLOOTrainer
+
+    class MyTrainer(GRPOTrainer):
+        pass
+
+    class MyRloo(RLOOTrainer):
+        pass
+
+    for subclass in (MyTrainer, MyRloo):
+        assert TARGET not in vars(subclass)
+        assert isinstance(inspect.getattr_static(subclass, TARGET), wrapt.FunctionWrapper)
+
+
+def test_all_off_switch_at_import() -> None:
+    report = last_json(run_python(PROBE, env={"TRL_VLM_FIXES": "0"}))
+    assert report["states"] == dict.fromkeys(("mm_realign", "reload_skip", "cudagraph"), "disabled")
+    assert (report["grpo"], report["rloo"], report["generate"], report["init_vllm"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"TRL_VLM_FIXES": "off", "TRL_VLM_FIXES_MM_REALIGN": "1"}, ("disabled", "disabled", "disabled")),
+        ({"TRL_VLM_FIXES_MM_REALIGN": "False"}, ("disabled", "applied", "applied")),
+        ({"TRL_VLM_FIXES_RELOAD_SKIP": "NO"}, ("applied", "disabled", "applied")),
+        ({"TRL_VLM_FIXES_CUDAGRAPH": "Off"}, ("applied", "applied", "disabled")),
+        ({"TRL_VLM_FIXES": "yes", "TRL_VLM_FIXES_CUDAGRAPH": "TRUE", "TRL_VLM_FIXES_MM_REALIGN": "on"},
+         ("applied", "applied", "applied")),
+    ],
+)
+def test_switches(env: dict[str, str], expected: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import wrapt
+
+    _patched_methods()  # import the targets first, so the states are final
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    trl_vlm_fixes.revert()
+    try:
+        trl_vlm_fixes.apply()  # reads the switches, as the import does
+        states = trl_vlm_fixes.status()["patches"]
+        assert tuple(states[n]["state"] for n in ("mm_realign", "reload_skip", "cudagraph")) == expected
+        methods = _patched_methods()
+        from trl.generation.vllm_generation import VLLMGeneration
+        from trl.trainer.grpo_trainer import GRPOTrainer
+
+        for name, key in (("mm_realign", (GRPOTrainer, TARGET)), ("reload_skip", (VLLMGeneration, "generate")),
+                          ("cudagraph", (VLLMGeneration, "_init_vllm"))):
+            assert isinstance(methods[key], wrapt.FunctionWrapper) == (states[name]["state"] == "applied")
+    finally:
+        monkeypatch.undo()
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()
+
+
+@pytest.mark.parametrize("variable", ["TRL_VLM_FIXES", "TRL_VLM_FIXES_MM_REALIGN", "TRL_VLM_FIXES_RELOAD_SKIP",
+                                      "TRL_VLM_FIXES_CUDAGRAPH", "TRL_VLM_FIXES_STRICT"])
+def test_bad_switch_value_fails_the_import_with_a_clear_error(variable: str) -> None:
+    result = run_python("import trl_vlm_fixes", env={variable: "maybe"})
+    assert result.returncode != 0
+    assert "SwitchValueError" in result.stderr and f"{variable}='maybe'" in result.stderr
+    assert "1/0, true/false, yes/no, on/off" in result.stderr
+
+
+FAKE_VERSIONS = """
+import importlib.metadata as md
+real_version = md.version
+fake = {"trl": "1.10.0", "vllm": "0.26.0+cu130"}
+md.version = lambda name: fake.get(name) or real_version(name)
+"""
+
+
+def test_version_guard_warns_once_per_fix_and_still_applies() -> None:
+    result = run_python(FAKE_VERSIONS + PROBE)
+    report = last_json(result)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING") and "validated" in line]
+    assert len(warnings) == 3
+    for fix, switch in (("mm_realign", "TRL_VLM_FIXES_MM_REALIGN"), ("reload_skip", "TRL_VLM_FIXES_RELOAD_SKIP"),
+                        ("cudagraph", "TRL_VLM_FIXES_CUDAGRAPH")):
+        line = next(w for w in warnings if f"fix {fix} " in w)
+        assert "trl 1.10.0 (validated: 1.9.1)" in line and switch + "=0" in line
+    assert "vllm 0.26.0+cu130 (validated: 0.25.1)" in next(w for w in warnings if "fix cudagraph " in w)
+    assert set(report["states"].values()) == {"applied"}  # the structural check decides, and the shape is right
+
+
+def test_local_version_tags_count_as_validated() -> None:
+    result = run_python(FAKE_VERSIONS.replace('"1.10.0"', '"1.9.1+local"').replace("0.26.0+cu130", "0.25.1+cu130")
+                        + "import trl_vlm_fixes")
+    assert result.returncode == 0 and "validated:" not in result.stderr
+
+
+CHANGED_SIGNATURE = f"""
+import trl.trainer.grpo_trainer as g
+def {TARGET}(self, model, input_ids, attention_mask, logits_to_keep):
+    return None
+g.GRPOTrainer.{TARGET} = {TARGET}
+"""
+
+
+def test_structural_skip_warns_and_never_breaks_the_import() -> None:
+    result = run_python(CHANGED_SIGNATURE + "import trl_vlm_fixes\n"
+                        'print(json.dumps(trl_vlm_fixes.status()["patches"]["mm_realign"]))\n')
+    report = last_json(result)
+    assert report["state"] == "skipped" and "signature lacks mm_token_type_ids" in report["detail"]
+    assert "WARNING trl_vlm_fixes" in result.stderr and "TRL_VLM_FIXES_MM_REALIGN=0" in result.stderr
+
+
+def test_removed_target_is_skipped() -> None:
+    result = run_python("""
+        import trl.generation.vllm_generation as vg
+        del vg.VLLMGeneration._init_vllm
+        import trl_vlm_fixes
+        print(json.dumps(trl_vlm_fixes.status()["patches"]["cudagraph"]))
+    """)
+    report = last_json(result)
+    assert report["state"] == "skipped" and "no longer defined" in report["detail"]
+
+
+def test_strict_mode_raises_when_a_fix_cannot_be_applied() -> None:
+    result = run_python(CHANGED_SIGNATURE + "import trl_vlm_fixes", env={"TRL_VLM_FIXES_STRICT": "1"})
+    assert result.returncode != 0 and "FixNotApplicableError" in result.stderr
+    assert "TRL_VLM_FIXES_STRICT=1" in result.stderr
+
+
+UPSTREAM_REPUSHES = """
+import trl.generation.vllm_generation as vg
+def generate(self, prompts, images, num_generations, profiler=None):
+    if self.mode == "colocate" and self.enable_sleep_mode and self._llm_weights_sleeping:
+        self.sync_weights()
+vg.VLLMGeneration.generate = generate
+"""
+
+
+def test_fix_steps_aside_when_upstream_solved_it() -> None:
+    result = run_python(UPSTREAM_REPUSHES + "import trl_vlm_fixes\n"
+                        'print(json.dumps(trl_vlm_fixes.status()["patches"]["reload_skip"]))\n')
+    report = last_json(result)
+    assert report["state"] == "not-needed" and "re-pushes discarded weights itself" in report["detail"]
+    assert "steps aside" in result.stderr
+
+
+def test_one_info_summary_and_no_prints() -> None:
+    result = run_python("import trl_vlm_fixes")
+    assert result.stdout == ""
+    infos = [line for line in result.stderr.splitlines() if line.startswith("INFO trl_vlm_fixes")]
+    assert len(infos) == 1 and "mm_realign=" in infos[0]
+
+
+def test_cli_json() -> None:
+    result = run_python("", args=["-m", "trl_vlm_fixes", "--json"])
+    report = json.loads(result.stdout)
+    assert result.returncode == 0
+    assert {"version", "versions", "validated", "patches"} <= set(report)
+    assert set(report["versions"]) == {"trl", "vllm", "transformers", "torch"}
+    assert report["validated"] == {"trl": "1.9.1", "vllm": "0.25.1"}
+    for name in ("mm_realign", "reload_skip", "cudagraph"):
+        assert report["patches"][name]["state"] in {"applied", "disabled", "skipped", "not-needed"}
+        assert report["patches"][name]["detail"]
+
+
+def test_cli_table_and_strict_exit_code() -> None:
+    table = run_python("", args=["-m", "trl_vlm_fixes"])
+    assert table.returncode == 0 and "mm_realign" in table.stdout and "TRL_VLM_FIXES_CUDAGRAPH=0" in table.stdout
+    disabled = run_python("", env={"TRL_VLM_FIXES_CUDAGRAPH": "0"}, args=["-m", "trl_vlm_fixes", "--strict"])
+    assert disabled.returncode == 0  # disabled on purpose is not a failure
+    skipped = run_python("import runpy\n" + CHANGED_SIGNATURE +
+                         "sys.argv = ['trl_vlm_fixes', '--strict']\nrunpy.run_module('trl_vlm_fixes', run_name='__main__')")
+    assert skipped.returncode == 1 and "skipped" in skipped.stdout

@@ -1,0 +1,168 @@
+"""cudagraph: the keyword arguments TRL's colocated engine constructor receives, and the real vLLM config they build."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from trl_vlm_fixes.engine_standin import StandInLLM
+from trl_vlm_fixes.patches.cudagraph import (
+    VALID_MODES,
+    CudagraphModeError,
+    _EngineFactory,
+    merge_compilation_config,
+)
+
+
+def engine_kwargs(make_generation: Callable[..., Any]) -> dict[str, Any]:
+    return dict(make_generation().llm.init_kwargs)
+
+
+def test_default_is_no_cuda_graphs(make_generation: Callable[..., Any]) -> None:
+    kwargs = engine_kwargs(make_generation)
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert "enforce_eager" not in kwargs
+
+
+def test_switch_off_restores_upstream_arguments(make_generation: Callable[..., Any], one_fix_off: Any) -> None:
+    one_fix_off("cudagraph")
+    kwargs = engine_kwargs(make_generation)
+    assert "compilation_config" not in kwargs and "enforce_eager" not in kwargs
+
+
+@pytest.mark.parametrize("mode", VALID_MODES)
+def test_each_mode_is_selectable(make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", mode.lower())
+    assert engine_kwargs(make_generation)["compilation_config"] == {"cudagraph_mode": mode}
+
+
+def test_bad_mode_fails_with_the_valid_names(make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "SOMETIMES")
+    with pytest.raises(CudagraphModeError, match="SOMETIMES.*NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):
+        make_generation()
+
+
+def test_bad_mode_fails_at_import() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import trl_vlm_fixes"],
+        env={"TRL_VLM_FIXES_CUDAGRAPH_MODE": "fast", "PATH": ""}, capture_output=True, text=True,
+    )
+    assert result.returncode != 0 and "TRL_VLM_FIXES_CUDAGRAPH_MODE='fast'" in result.stderr
+    assert "FULL_DECODE_ONLY" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("existing", "expected"),
+    [
+        (None, {"cudagraph_mode": "NONE"}),
+        (3, {"mode": 3, "cudagraph_mode": "NONE"}),
+        ({"mode": 3, "cudagraph_capture_sizes": [1, 2]}, {"mode": 3, "cudagraph_capture_sizes": [1, 2], "cudagraph_mode": "NONE"}),
+        ({"cudagraph_mode": "FULL", "mode": 3}, {"cudagraph_mode": "NONE", "mode": 3}),
+    ],
+)
+def test_merge_keeps_other_fields(existing: Any, expected: dict[str, Any]) -> None:
+    assert merge_compilation_config(existing, "NONE") == expected
+
+
+def test_merge_reaches_the_engine_constructor() -> None:
+    factory = _EngineFactory(StandInLLM.__new__, "test")
+    captured: dict[str, Any] = {}
+
+    def constructor(*args: Any, **kwargs: Any) -> str:
+        captured.update(kwargs)
+        return "engine"
+
+    factory.engine_class = constructor
+    existing = {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}
+    assert factory(model="m", compilation_config=existing) == "engine"
+    assert captured["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
+    assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated
+
+
+def test_unknown_config_type_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="cannot merge into compilation_config of type str"):
+        merge_compilation_config("fast", "NONE")
+
+
+def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+        make_generation()
+    lines = [r for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
+    assert len(lines) == 1 and "cudagraph_mode=NONE" in lines[0].getMessage()
+    assert "slower" in lines[0].getMessage()
+
+
+def test_engine_global_is_restored_after_construction(make_generation: Callable[..., Any]) -> None:
+    import trl.generation.vllm_generation as vllm_generation
+
+    before = vllm_generation.LLM
+    make_generation()
+    assert vllm_generation.LLM is before
+
+
+# --- against the real vLLM classes, where they import on the CPU -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> Any:
+    return pytest.importorskip("vllm.config")
+
+
+def test_valid_modes_are_vllms(vllm_config: Any) -> None:
+    assert set(VALID_MODES) == {member.name for member in vllm_config.CUDAGraphMode}
+
+
+@pytest.mark.parametrize("mode", VALID_MODES)
+@pytest.mark.parametrize("existing", [None, 3, {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}])
+def test_real_compilation_config_gets_the_mode(vllm_config: Any, mode: str, existing: Any) -> None:
+    config = vllm_config.CompilationConfig(**merge_compilation_config(existing, mode))
+    assert config.cudagraph_mode == vllm_config.CUDAGraphMode[mode]
+    if isinstance(existing, dict):
+        assert list(config.cudagraph_capture_sizes) == [1, 2, 4] and int(config.mode) == 3
+
+
+def test_real_compilation_config_object_is_copied_not_mutated(vllm_config: Any) -> None:
+    original = vllm_config.CompilationConfig(mode=3, cudagraph_capture_sizes=[1, 2])
+    merged = merge_compilation_config(original, "FULL_DECODE_ONLY")
+    assert merged is not original and original.cudagraph_mode != vllm_config.CUDAGraphMode.FULL_DECODE_ONLY
+    assert merged.cudagraph_mode == vllm_config.CUDAGraphMode.FULL_DECODE_ONLY
+    assert list(merged.cudagraph_capture_sizes) == [1, 2] and int(merged.mode) == 3
+
+
+def test_real_llm_accepts_the_injected_arguments(vllm_config: Any) -> None:
+    import inspect
+
+    from vllm import LLM
+
+    parameters = inspect.signature(LLM.__init__).parameters
+    assert "compilation_config" in parameters
+    assert "enforce_eager" in parameters  # exists, and we never set it
+
+
+def test_experimental_online_dpo_engine_gets_the_mode(
+    tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+
+    import trl.experimental.online_dpo.online_dpo_trainer as online_dpo
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    monkeypatch.setattr(online_dpo, "LLM", StandInLLM, raising=False)
+    monkeypatch.setattr(online_dpo, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "FULL_DECODE_ONLY")
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to=[],
+        max_new_tokens=4, per_device_train_batch_size=2,
+    )
+    trainer = OnlineDPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["hello", "world"]}), processing_class=processor.tokenizer,
+    )
+    assert trainer.llm.init_kwargs["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert online_dpo.LLM is StandInLLM
