@@ -51,7 +51,7 @@ def build_processor() -> Any:
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor, Qwen3VLVideoProcessor
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    tokenizer = Qwen3_5Tokenizer(vocab=_byte_level_vocab(), merges=[])
+    tokenizer = Qwen3_5Tokenizer(vocab=_byte_level_vocab(), merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     tokenizer.chat_template = CHAT_TEMPLATE
     pixels = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}

@@ -1,0 +1,42 @@
+"""The example is the main job: it trains the mixed image batch, alone and under accelerate with 2 CPU processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_qwen35_vlm.py"
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_example_trains_a_mixed_image_batch() -> None:
+    result = _run([sys.executable, str(EXAMPLE), "--steps", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps on a mixed image batch" in result.stdout
+    assert re.search(r"mm_realign\s+applied", result.stderr)
+    assert "'trl_vlm_fixes/mm_realigned_rows'" in result.stdout
+
+
+def test_example_with_lora() -> None:
+    result = _run([sys.executable, str(EXAMPLE), "--steps", "1", "--lora"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 1 steps" in result.stdout
+
+
+def test_example_under_accelerate_with_two_processes() -> None:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    result = _run([
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531", str(EXAMPLE),
+    ])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2, fix status" in result.stderr
+        assert re.search(rf"rank {rank} finished 2 steps with fixes mm_realign=applied", result.stderr)
