@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import trl_vlm_fixes  # noqa: E402 - the plugin is imported first, as users do
+import trl_vlm_fixes
 
 
 @pytest.fixture(scope="session")
@@ -95,30 +95,11 @@ def one_fix_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Non
 
 
 @pytest.fixture
-def make_generation(
-    tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., Any]:
-    import trl.generation.vllm_generation as vllm_generation
-
-    from trl_vlm_fixes.engine_standin import StandInLLM, StandInSamplingParams
-    from accelerate import Accelerator
-    from transformers import AutoModelForImageTextToText
-
-    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
-    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
-    if not hasattr(vllm_generation, "SamplingParams"):
-        monkeypatch.setattr(vllm_generation, "SamplingParams", StandInSamplingParams, raising=False)
+def make_generation(tiny_model_dir: Path, processor: Any) -> Callable[..., Any]:
+    """TRL's real VLLMGeneration (colocate) on the behavioural engine stand-in."""
+    from trl_vlm_fixes.rollout_schedule import build_generation
 
     def build(enable_sleep_mode: bool = True, engine_class: type | None = None) -> Any:
-        monkeypatch.setattr(vllm_generation, "LLM", engine_class or StandInLLM, raising=False)
-        model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
-        return vllm_generation.VLLMGeneration(
-            model=model,
-            accelerator=Accelerator(cpu=True),
-            processing_class=processor,
-            mode="colocate",
-            enable_sleep_mode=enable_sleep_mode,
-            max_completion_length=4,
-        )
+        return build_generation(tiny_model_dir, processor, enable_sleep_mode, engine_class)
 
     return build

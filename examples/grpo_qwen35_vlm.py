@@ -6,14 +6,13 @@ Default: a tiny random Qwen3.5 VLM is built offline on the fly, so it runs on an
     python examples/grpo_qwen35_vlm.py --model Qwen/Qwen3.5-0.8B --use-vllm --steps 100   # on a GPU
 """
 
-import trl_vlm_fixes  # first line of your script: the fixes attach whenever TRL is imported
-
 import argparse
 import logging
 import os
 import sys
 import tempfile
 
+import trl_vlm_fixes  # first line of your script: the fixes attach whenever TRL is imported
 from trl_vlm_fixes.status import render_table
 
 
@@ -30,14 +29,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
     from accelerate import PartialState
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_vlm_fixes.demo import MIXED_SAMPLES, length_reward, mixed_dataset
     from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm, special_token_ids
-
-    import torch
 
     state = PartialState(cpu=not torch.cuda.is_available())
     # One folder for all ranks: the main process builds the tiny model, the others wait and read it.
@@ -95,14 +93,18 @@ def main() -> int:
         print(f"training stopped at step {trainer.state.global_step} of {args.steps}", file=sys.stderr)
         return 1
     logging.getLogger("trl_vlm_fixes").info(
-        "rank %d finished %d steps with fixes %s", state.process_index, trainer.state.global_step,
+        "rank %d finished %d steps with fixes %s",
+        state.process_index,
+        trainer.state.global_step,
         trl_vlm_fixes.REGISTRY.summary(),
     )
     if state.is_main_process:
         last = [log for log in trainer.state.log_history if "loss" in log][-1]
         fixes = {k: v for k, v in last.items() if k.startswith("trl_vlm_fixes/")}
-        print(f"trained {trainer.state.global_step} steps on a mixed image batch; last loss {last['loss']:.4f}; "
-              f"fix metrics {fixes}")
+        print(
+            f"trained {trainer.state.global_step} steps on a mixed image batch; last loss {last['loss']:.4f}; "
+            f"fix metrics {fixes}"
+        )
     return 0
 
 

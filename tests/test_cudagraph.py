@@ -36,21 +36,29 @@ def test_switch_off_restores_upstream_arguments(make_generation: Callable[..., A
 
 
 @pytest.mark.parametrize("mode", VALID_MODES)
-def test_each_mode_is_selectable(make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def test_each_mode_is_selectable(
+    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", mode.lower())
     assert engine_kwargs(make_generation)["compilation_config"] == {"cudagraph_mode": mode}
 
 
-def test_bad_mode_fails_with_the_valid_names(make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_mode_fails_with_the_valid_names(
+    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "SOMETIMES")
-    with pytest.raises(CudagraphModeError, match="SOMETIMES.*NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):
+    with pytest.raises(
+        CudagraphModeError, match=r"SOMETIMES.*NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"
+    ):
         make_generation()
 
 
 def test_bad_mode_fails_at_import() -> None:
     result = subprocess.run(
         [sys.executable, "-c", "import trl_vlm_fixes"],
-        env={"TRL_VLM_FIXES_CUDAGRAPH_MODE": "fast", "PATH": ""}, capture_output=True, text=True,
+        env={"TRL_VLM_FIXES_CUDAGRAPH_MODE": "fast", "PATH": ""},
+        capture_output=True,
+        text=True,
     )
     assert result.returncode != 0 and "TRL_VLM_FIXES_CUDAGRAPH_MODE='fast'" in result.stderr
     assert "FULL_DECODE_ONLY" in result.stderr
@@ -61,7 +69,10 @@ def test_bad_mode_fails_at_import() -> None:
     [
         (None, {"cudagraph_mode": "NONE"}),
         (3, {"mode": 3, "cudagraph_mode": "NONE"}),
-        ({"mode": 3, "cudagraph_capture_sizes": [1, 2]}, {"mode": 3, "cudagraph_capture_sizes": [1, 2], "cudagraph_mode": "NONE"}),
+        (
+            {"mode": 3, "cudagraph_capture_sizes": [1, 2]},
+            {"mode": 3, "cudagraph_capture_sizes": [1, 2], "cudagraph_mode": "NONE"},
+        ),
         ({"cudagraph_mode": "FULL", "mode": 3}, {"cudagraph_mode": "NONE", "mode": 3}),
     ],
 )
@@ -148,21 +159,28 @@ def test_experimental_online_dpo_engine_gets_the_mode(
     tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-
     import trl.experimental.online_dpo.online_dpo_trainer as online_dpo
+    from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     monkeypatch.setattr(online_dpo, "LLM", StandInLLM, raising=False)
     monkeypatch.setattr(online_dpo, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "FULL_DECODE_ONLY")
     args = OnlineDPOConfig(
-        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to=[],
-        max_new_tokens=4, per_device_train_batch_size=2,
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        vllm_mode="colocate",
+        use_cpu=True,
+        report_to=[],
+        max_new_tokens=4,
+        per_device_train_batch_size=2,
     )
     trainer = OnlineDPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["hello", "world"]}), processing_class=processor.tokenizer,
+        model=str(tiny_model_dir),
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["hello", "world"]}),
+        processing_class=processor.tokenizer,
     )
     assert trainer.llm.init_kwargs["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert online_dpo.LLM is StandInLLM

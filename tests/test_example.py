@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,15 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_qwen35_vlm.py"
 
 
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+    env["MASTER_PORT"] = _free_port()  # tests run in parallel: never share torch.distributed's default port
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -32,10 +40,24 @@ def test_example_with_lora() -> None:
 
 def test_example_under_accelerate_with_two_processes() -> None:
     accelerate = Path(sys.executable).with_name("accelerate")
-    result = _run([
-        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531", str(EXAMPLE),
-    ])
+    result = _run(
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            _free_port(),
+            str(EXAMPLE),
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} of 2, fix status" in result.stderr

@@ -53,8 +53,10 @@ def test_each_row_scored_as_alone_with_fix(make_trainer: Any, processor: Any, or
 def test_several_images_per_prompt(make_trainer: Any, processor: Any, fixes_off: None) -> None:
     rows = [
         {"prompt": conversation("two pictures", images=2), "images": [make_image(128, 96, 1), make_image(32, 32, 2)]},
-        {"prompt": conversation("compare these two images in detail", images=2),
-         "images": [make_image(64, 32, 3), make_image(96, 64, 4)]},
+        {
+            "prompt": conversation("compare these two images in detail", images=2),
+            "images": [make_image(64, 32, 3), make_image(96, 64, 4)],
+        },
     ]
     trainer = make_trainer("grpo")
     with pytest.raises(RuntimeError):
@@ -98,7 +100,8 @@ def test_rebuild_marks_images_and_videos(processor: Any) -> None:
     encoded = processor(text=[text], images=[make_image(64, 32)], videos=[video], return_tensors="pt")
     tokenizer = processor.tokenizer
     rebuilt = rebuild_mm_token_type_ids(
-        encoded["input_ids"], tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        encoded["input_ids"],
+        tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         tokenizer.convert_tokens_to_ids("<|video_pad|>"),
     )
     assert (rebuilt == 2).any() and (rebuilt == 1).any()
@@ -112,23 +115,35 @@ def test_videos_get_the_same_rope_positions_in_a_left_padded_batch(processor: An
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
     tokenizer = processor.tokenizer
-    videos = [[np.full((64, 64, 3), 9 * i, dtype=np.uint8) for i in range(4)],
-              [np.full((32, 64, 3), 9 * i, dtype=np.uint8) for i in range(2)]]
-    texts = [processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": t}]}],
-        tokenize=False, add_generation_prompt=True) for t in ("a", "a much longer question about every frame of this clip")]
+    videos = [
+        [np.full((64, 64, 3), 9 * i, dtype=np.uint8) for i in range(4)],
+        [np.full((32, 64, 3), 9 * i, dtype=np.uint8) for i in range(2)],
+    ]
+    texts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": t}]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for t in ("a", "a much longer question about every frame of this clip")
+    ]
     left = processor(text=texts, videos=videos, padding=True, padding_side="left", return_tensors="pt")
     right = processor(text=texts, videos=videos, padding=True, padding_side="right", return_tensors="pt")
-    realigned = rebuild_mm_token_type_ids(left["input_ids"], tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-                                          tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+    realigned = rebuild_mm_token_type_ids(
+        left["input_ids"],
+        tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+    )
     assert torch.equal(realigned, left["mm_token_type_ids"].to(realigned.dtype))
     assert not torch.equal(realigned, right["mm_token_type_ids"].to(realigned.dtype))  # what TRL would pass
     batch_positions, _ = model.model.get_rope_index(
-        left["input_ids"], realigned, video_grid_thw=left["video_grid_thw"], attention_mask=left["attention_mask"])
+        left["input_ids"], realigned, video_grid_thw=left["video_grid_thw"], attention_mask=left["attention_mask"]
+    )
     for row in range(2):
         alone = processor(text=[texts[row]], videos=[videos[row]], return_tensors="pt")
         alone_positions, _ = model.model.get_rope_index(
-            alone["input_ids"], alone["mm_token_type_ids"], video_grid_thw=alone["video_grid_thw"])
+            alone["input_ids"], alone["mm_token_type_ids"], video_grid_thw=alone["video_grid_thw"]
+        )
         keep = left["attention_mask"][row].bool()
         assert torch.equal(batch_positions[:, row, keep], alone_positions[:, 0])
 
@@ -143,9 +158,15 @@ def test_truncated_image_raises_a_clear_error(make_trainer: Any) -> None:
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
     with pytest.raises(VisionTokenMismatchError, match=r"row 1: \d+ image tokens in input_ids, \d+ needed"):
         trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, out["completion_ids"].size(1), pixel_values=out["pixel_values"],
-            image_grid_thw=out["image_grid_thw"], num_images=out["num_images"],
-            mm_token_type_ids=out["mm_token_type_ids"])
+            trainer.model,
+            ids,
+            mask,
+            out["completion_ids"].size(1),
+            pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"],
+            num_images=out["num_images"],
+            mm_token_type_ids=out["mm_token_type_ids"],
+        )
 
 
 def test_unknown_pad_ids_leave_markers_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
@@ -156,15 +177,23 @@ def test_unknown_pad_ids_leave_markers_and_say_so(caplog: pytest.LogCaptureFixtu
 
     seen: dict[str, Any] = {}
 
-    def scoring(model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
-                mm_token_type_ids: Any = None, image_grid_thw: Any = None, num_images: Any = None) -> Any:
+    def scoring(
+        model: Any,
+        input_ids: Any,
+        attention_mask: Any,
+        logits_to_keep: int,
+        mm_token_type_ids: Any = None,
+        image_grid_thw: Any = None,
+        num_images: Any = None,
+    ) -> Any:
         seen["markers"] = mm_token_type_ids
         return "scored"
 
     markers = torch.tensor([[0, 1, 1, 0]])
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
-        result = realign_wrapper(scoring, NoVisionIds(), (None, torch.tensor([[5, 6, 6, 7]]), None, 1),
-                                 {"mm_token_type_ids": markers})
+        result = realign_wrapper(
+            scoring, NoVisionIds(), (None, torch.tensor([[5, 6, 6, 7]]), None, 1), {"mm_token_type_ids": markers}
+        )
     assert result == "scored" and seen["markers"] is markers
     assert "no image or video pad token id is known" in caplog.text
 

@@ -8,28 +8,21 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import TrainerLoop
+from trl_vlm_fixes.rollout_schedule import TrainerLoop, run_schedule
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from stack import upstream_reloads_from_disk
 
 import trl_vlm_fixes
 from trl_vlm_fixes.engine_standin import StandInLLM, engine_weights_match, trainer_weights
 
-
-def run_schedule(loop: TrainerLoop) -> None:
-    """Step 0, then two training steps with a second rollout in the same step (steps_per_generation <
-    gradient_accumulation_steps), a tool-loop turn and an evaluation rollout."""
-    loop.trl_generate()
-    loop.optimizer_step()
-    loop.trl_generate()
-    loop.trl_generate()  # same global_step: TRL does not sync
-    loop.generate_again()  # multi-turn tool loop
-    loop.optimizer_step()
-    loop.trl_generate()
-    loop.trl_generate()  # evaluation after the step: same path, no sync
+bug_present = pytest.mark.skipif(
+    not upstream_reloads_from_disk(), reason="this TRL re-pushes discarded weights itself: no reload bug to show"
+)
 
 
+@bug_present
 def test_upstream_rollouts_run_on_the_base_model(make_generation: Callable[..., Any], fixes_off: None) -> None:
     loop = TrainerLoop(make_generation())
     run_schedule(loop)
@@ -38,6 +31,7 @@ def test_upstream_rollouts_run_on_the_base_model(make_generation: Callable[..., 
     assert loop.on_checkpoint == loop.stale  # every stale rollout ran on the original checkpoint
 
 
+@bug_present
 def test_skipping_the_reload_alone_gives_garbage(
     make_generation: Callable[..., Any], fixes_off: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -54,8 +48,19 @@ def test_rollouts_run_on_current_weights_with_fix(make_generation: Callable[...,
     assert loop.stale == 0
     assert loop.engine.disk_reloads == 0
     assert loop.max_full_pushes_per_generate <= 1.0
-    state = trl_vlm_fixes.patches.reload_skip.engine_weights(loop.generation)
-    assert state.repushes == 3 and state.reloads_skipped == loop.generates
+    if upstream_reloads_from_disk():
+        state = trl_vlm_fixes.patches.reload_skip.engine_weights(loop.generation)
+        assert state.repushes == 3 and state.reloads_skipped == loop.generates
+
+
+@pytest.mark.skipif(upstream_reloads_from_disk(), reason="TRL 1.9.1 has the bug (shown above)")
+def test_newer_trl_needs_no_fix_and_the_fix_says_so(make_generation: Callable[..., Any], fixes_off: None) -> None:
+    loop = TrainerLoop(make_generation())
+    run_schedule(loop)
+    assert loop.stale == 0 and loop.engine.disk_reloads == 0
+    trl_vlm_fixes.apply()
+    report = trl_vlm_fixes.status()["patches"]["reload_skip"]
+    assert report["state"] == "not-needed" and "re-pushes" in report["detail"]
 
 
 def test_backend_without_reload_weights_still_gets_current_weights(make_generation: Callable[..., Any]) -> None:
@@ -129,7 +134,11 @@ class WeightSchedules(RuleBasedStateMachine):
 
 
 SCHEDULE_SETTINGS = settings(
-    max_examples=20, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=20,
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    report_multiple_bugs=False,
 )
 
 
@@ -141,8 +150,9 @@ def test_random_schedules_with_fix(make_generation: Callable[..., Any]) -> None:
     run_state_machine_as_test(_machine(make_generation), settings=SCHEDULE_SETTINGS)
 
 
+@bug_present
 def test_random_schedules_find_the_bug_upstream(make_generation: Callable[..., Any], fixes_off: None) -> None:
-    with pytest.raises(AssertionError, match="stale or discarded|reloaded from disk"):
+    with pytest.raises(AssertionError, match=r"stale or discarded|reloaded from disk"):
         run_state_machine_as_test(_machine(make_generation), settings=SCHEDULE_SETTINGS)
 
 
@@ -163,8 +173,15 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
 
     monkeypatch.setattr(vllm_generation, "LLM", RecordingEngine, raising=False)
     trainer = make_trainer(
-        "grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-        gradient_accumulation_steps=2, steps_per_generation=1, max_steps=3, learning_rate=0.05, generation_kwargs=None,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        max_steps=3,
+        learning_rate=0.05,
+        generation_kwargs=None,
         dataset=mixed_dataset(MIXED_SAMPLES),
     )
     trainer_holder["trainer"] = trainer
@@ -174,10 +191,12 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
     assert all(engine_weights_match(engine_state, current) for engine_state, current in records)
     assert engine.disk_reloads == 0
     assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
-    logged = [log for log in trainer.state.log_history if "trl_vlm_fixes/weight_repushes" in log]
-    assert logged and all(log["trl_vlm_fixes/disk_reloads_skipped"] >= 1 for log in logged)
+    if upstream_reloads_from_disk():
+        logged = [log for log in trainer.state.log_history if "trl_vlm_fixes/weight_repushes" in log]
+        assert logged and all(log["trl_vlm_fixes/disk_reloads_skipped"] >= 1 for log in logged)
 
 
+@bug_present
 def test_grpo_colocate_sleep_mode_end_to_end_upstream_is_stale(
     make_trainer: Any, monkeypatch: pytest.MonkeyPatch, one_fix_off: Callable[[str], None]
 ) -> None:
@@ -188,8 +207,15 @@ def test_grpo_colocate_sleep_mode_end_to_end_upstream_is_stale(
     one_fix_off("reload_skip")
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
     trainer = make_trainer(
-        "grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-        gradient_accumulation_steps=2, steps_per_generation=1, max_steps=3, learning_rate=0.05, generation_kwargs=None,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        max_steps=3,
+        learning_rate=0.05,
+        generation_kwargs=None,
         dataset=mixed_dataset(MIXED_SAMPLES),
     )
     trainer.train()
@@ -209,6 +235,6 @@ def test_stand_in_matches_the_real_vllm_signatures() -> None:
             if real[name].default is not inspect.Parameter.empty:
                 assert parameter.default == real[name].default, (method, name)
     init = inspect.signature(vllm.LLM.__init__).parameters
-    assert "model" in init and "enable_sleep_mode" in inspect.signature(vllm.LLM.__init__).parameters or any(
+    assert ("model" in init and "enable_sleep_mode" in inspect.signature(vllm.LLM.__init__).parameters) or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()
     )

@@ -142,7 +142,10 @@ def engine_weights_match(snapshot: dict[str, torch.Tensor], reference: dict[str,
 
 def trainer_weights(model: Any) -> dict[str, torch.Tensor]:
     """The trainer's parameters under the names TRL pushes them with."""
-    return {name.replace("_checkpoint_wrapped_module.", ""): p.detach().cpu().clone() for name, p in model.named_parameters()}
+    return {
+        name.replace("_checkpoint_wrapped_module.", ""): p.detach().cpu().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 class StandInSamplingParams:

@@ -6,6 +6,7 @@ anyway, so counting adds no synchronization to the training step.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,9 @@ _counters: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKe
 
 def count(owner: Any, name: str, amount: Any) -> None:
     """Add ``amount`` (an int or a 0-dim tensor) to ``owner``'s counter ``name`` for the current step."""
-    try:
+    # an owner that cannot be weakly referenced: counting is best effort, never an error
+    with contextlib.suppress(TypeError):
         _counters.setdefault(owner, {}).setdefault(name, []).append(amount)
-    except TypeError:  # an owner that cannot be weakly referenced: counting is best effort, never an error
-        pass
 
 
 def drain(owner: Any) -> dict[str, float]:

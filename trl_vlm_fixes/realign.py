@@ -22,7 +22,7 @@ def rebuild_mm_token_type_ids(
     video_token_id: int | None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Qwen convention: image pad -> 1, video pad -> 2, anything else -> 0, aligned with ``input_ids`` by construction."""
+    """Qwen convention: image pad -> 1, video pad -> 2, else 0; aligned with ``input_ids`` by construction."""
     markers = torch.zeros_like(input_ids, dtype=dtype or input_ids.dtype)
     if image_token_id is not None:
         markers.masked_fill_(input_ids == image_token_id, IMAGE_TYPE)
@@ -89,10 +89,13 @@ class VisionCountCheck:
         if self._event is not None:
             self._event.synchronize()
         actual, expected = self._counts.tolist()
-        bad = [row for row, (a, e) in enumerate(zip(actual, expected)) if a != e]
+        bad = [row for row, (a, e) in enumerate(zip(actual, expected, strict=True)) if a != e]
         if bad:
-            details = "; ".join(f"row {row}: {actual[row]} image tokens in input_ids, {expected[row]} needed by "
-                                f"its image_grid_thw entries" for row in bad)
+            details = "; ".join(
+                f"row {row}: {actual[row]} image tokens in input_ids, {expected[row]} needed by "
+                f"its image_grid_thw entries"
+                for row in bad
+            )
             raise VisionTokenMismatchError(
                 f"trl_vlm_fixes.mm_realign: {details}. An image was probably cut by truncation "
                 "(max_prompt_length) or a completion contains image pad tokens. Raise max_prompt_length (or set it "

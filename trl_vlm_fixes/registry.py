@@ -112,7 +112,9 @@ class Registry:
             for fix in self.fixes.values():
                 record = self._records[fix.name]
                 record.enabled = fix_enabled(fix.name)
-                record.targets = {target.key: ("pending", f"waits for `import {target.module}`") for target in fix.targets}
+                record.targets = {
+                    target.key: ("pending", f"waits for `import {target.module}`") for target in fix.targets
+                }
                 if record.enabled:
                     self._warn_version_drift(fix)
             modules = {t.module for f in self.fixes.values() for t in f.targets} | {t.module for t in self.support}

@@ -51,7 +51,9 @@ def build_processor() -> Any:
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor, Qwen3VLVideoProcessor
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    tokenizer = Qwen3_5Tokenizer(vocab=_byte_level_vocab(), merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = Qwen3_5Tokenizer(
+        vocab=_byte_level_vocab(), merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     tokenizer.chat_template = CHAT_TEMPLATE
     pixels = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
@@ -129,7 +131,7 @@ def build_tiny_qwen35_vlm(directory: str | Path, seed: int = 0) -> Path:
     tokenizer = processor.tokenizer
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(build_config(len(tokenizer), token_ids)).to(torch.float32)
+    model = Qwen3_5ForConditionalGeneration(build_config(len(tokenizer), token_ids)).float()
     model.generation_config = GenerationConfig(
         eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
     )

@@ -9,6 +9,7 @@ through, so the markers are aligned by construction wherever they are used.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
@@ -76,10 +77,8 @@ def resolve_vision_ids(trainer: Any, model: Any) -> tuple[int | None, int | None
         getattr(getattr(config, "vision_config", None), "spatial_merge_size", None),
     )
     resolved = (image_id, video_id, merge_size or 2)
-    try:
+    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is simply not cached
         _pad_ids_cache[trainer] = resolved
-    except TypeError:
-        pass
     if image_id is None and video_id is None:
         LOGGER.warning(
             "trl_vlm_fixes.mm_realign: no image or video pad token id is known for %s (trainer, processor and model "

@@ -1,4 +1,4 @@
-"""Drive TRL's real VLLMGeneration on the behavioural engine stand-in, the way TRL's trainers call it."""
+"""Drive TRL's real VLLMGeneration on the engine stand-in the way its trainers do (tests, self-test, benchmarks)."""
 
 from __future__ import annotations
 
@@ -60,3 +60,46 @@ class TrainerLoop:
         pushes = self.engine.tensor_pushes - self._pushes_at_last_generate
         self._pushes_at_last_generate = self.engine.tensor_pushes
         self.max_full_pushes_per_generate = max(self.max_full_pushes_per_generate, pushes / self._parameters)
+
+
+def run_schedule(loop: TrainerLoop) -> None:
+    """Step 0, then two training steps with a second rollout in the same step (steps_per_generation <
+    gradient_accumulation_steps), a tool-loop turn and an evaluation rollout."""
+    loop.trl_generate()
+    loop.optimizer_step()
+    loop.trl_generate()
+    loop.trl_generate()  # same global_step: TRL does not sync
+    loop.generate_again()  # multi-turn tool loop
+    loop.optimizer_step()
+    loop.trl_generate()
+    loop.trl_generate()  # evaluation after the step: same path, no sync
+
+
+def build_generation(model_dir: Any, processor: Any, enable_sleep_mode: bool = True, engine_class: Any = None) -> Any:
+    """TRL's real VLLMGeneration in colocate mode, on the stand-in engine (the module's LLM is swapped meanwhile)."""
+    import trl.generation.vllm_generation as vllm_generation
+    from accelerate import Accelerator
+    from transformers import AutoModelForImageTextToText
+
+    from .engine_standin import StandInLLM, StandInSamplingParams
+
+    if not hasattr(vllm_generation, "SamplingParams"):  # vLLM not installed: generate() needs a stand-in too
+        vllm_generation.SamplingParams = StandInSamplingParams  # type: ignore[attr-defined]
+    saved = {name: getattr(vllm_generation, name, None) for name in ("LLM", "is_vllm_available")}
+    vllm_generation.LLM = engine_class or StandInLLM  # type: ignore[attr-defined]
+    vllm_generation.is_vllm_available = lambda *a, **k: True  # type: ignore[assignment]
+    try:
+        return vllm_generation.VLLMGeneration(
+            model=AutoModelForImageTextToText.from_pretrained(model_dir),
+            accelerator=Accelerator(cpu=True),
+            processing_class=processor,
+            mode="colocate",
+            enable_sleep_mode=enable_sleep_mode,
+            max_completion_length=4,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(vllm_generation, name)
+            else:
+                setattr(vllm_generation, name, value)
