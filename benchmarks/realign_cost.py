@@ -17,10 +17,10 @@ def per_call(fn, repeat: int = 7, number: int = 20) -> float:  # type: ignore[no
 
 
 def main() -> None:
-    import trl_vlm_fixes  # noqa: F401
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
 
+    import trl_vlm_fixes  # noqa: F401
     from trl_vlm_fixes.demo import length_reward, mixed_dataset, mixed_rows
     from trl_vlm_fixes.patches.mm_realign import realign_wrapper
     from trl_vlm_fixes.realign import VisionCountCheck, rebuild_mm_token_type_ids

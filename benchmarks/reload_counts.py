@@ -11,9 +11,9 @@ import tempfile
 
 
 def main() -> None:
-    import trl_vlm_fixes
     from transformers import AutoProcessor
 
+    import trl_vlm_fixes
     from trl_vlm_fixes.rollout_schedule import TrainerLoop, build_generation, run_schedule
     from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
 

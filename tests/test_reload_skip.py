@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from trl_vlm_fixes.rollout_schedule import TrainerLoop, run_schedule
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -16,6 +15,7 @@ from stack import upstream_reloads_from_disk
 
 import trl_vlm_fixes
 from trl_vlm_fixes.engine_standin import StandInLLM, engine_weights_match, trainer_weights
+from trl_vlm_fixes.rollout_schedule import TrainerLoop, run_schedule
 
 bug_present = pytest.mark.skipif(
     not upstream_reloads_from_disk(), reason="this TRL re-pushes discarded weights itself: no reload bug to show"

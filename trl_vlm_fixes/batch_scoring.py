@@ -1,4 +1,4 @@
-"""Score a mixed batch the way TRL does, and each of its rows alone, on the real trainer and model."""
+"""Score a mixed batch the way TRL does, and each of its rows alone, on the real trainer and model (tests, self-test)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def score_row_alone(trainer: Any, processor: Any, row: dict[str, Any], out: dict
     images = row.get("images") or [row["image"]]
     encoded = processor(images=[images], text=[text], return_tensors="pt")
     prompt_ids = out["prompt_ids"][index][out["prompt_mask"][index].bool()]
-    assert encoded["input_ids"][0].tolist() == prompt_ids.tolist(), "row alone must see the same prompt tokens"
+    if encoded["input_ids"][0].tolist() != prompt_ids.tolist():
+        raise AssertionError(f"row {index} alone must see the same prompt tokens as in the batch")
     completion = out["completion_ids"][index][out["completion_mask"][index].bool()]
     ids = torch.cat([encoded["input_ids"][0], completion])[None]
     markers = torch.cat([encoded["mm_token_type_ids"][0], torch.zeros_like(completion)])[None]

@@ -1,0 +1,63 @@
+"""The self-test shows each bug and each fix on the installed stack, and fails when an enabled fix does not work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from stack import upstream_reloads_from_disk
+
+import trl_vlm_fixes
+from trl_vlm_fixes.selftest import run_selftest
+
+
+def _selftest(env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+    environment.update(env or {})
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_vlm_fixes", "selftest", "--json"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_selftest_shows_bugs_and_fixes_on_this_stack() -> None:
+    code, report = _selftest()
+    assert code == 0 and report["verdict"] == "ok"
+    fixes = report["fixes"]
+    assert fixes["mm_realign"]["bug_present"] is True and fixes["mm_realign"]["fix_works"] is True
+    assert fixes["cudagraph"]["bug_present"] is True and fixes["cudagraph"]["fix_works"] is True
+    assert fixes["reload_skip"]["bug_present"] is upstream_reloads_from_disk()
+    assert fixes["reload_skip"]["fix_works"] is True
+    assert fixes["reload_skip"]["state"] == ("applied" if upstream_reloads_from_disk() else "not-needed")
+    assert set(report["versions"]) == {"trl", "vllm", "transformers", "torch"}
+
+
+def test_selftest_reports_a_disabled_fix_without_failing() -> None:
+    code, report = _selftest({"TRL_VLM_FIXES_MM_REALIGN": "0"})
+    assert code == 0
+    assert report["fixes"]["mm_realign"] == {
+        **report["fixes"]["mm_realign"],
+        "state": "disabled",
+        "fix_works": None,
+        "bug_present": True,
+    }
+
+
+def test_selftest_fails_when_an_enabled_fix_does_not_work(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import trl_vlm_fixes.realign as realign
+
+    monkeypatch.setattr(realign, "rebuild_mm_token_type_ids", lambda ids, *a, **k: ids * 0)  # a broken fix
+    assert run_selftest() == 1
+    output = capsys.readouterr().out
+    assert "mm_realign   bug present: yes  fix works: no" in output and "FAIL: mm_realign" in output
+    assert trl_vlm_fixes.status()["patches"]["mm_realign"]["state"] == "applied"

@@ -1,0 +1,231 @@
+"""``python -m trl_vlm_fixes selftest``: show each bug and each fix on the installed stack, in under a minute on a CPU.
+
+A tiny random Qwen3.5 VLM is built offline in a temporary folder. Each check runs once with the fixes reverted
+(upstream behaviour: is the bug present here?) and once with them applied (does the fix work here?).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+CRASHING_ORDER = (0, 1, 2, 3)
+SILENT_ORDER = (3, 2, 1, 0)
+INVARIANCE_TOLERANCE = 1e-5
+
+
+@dataclass
+class CheckResult:
+    state: str
+    bug_present: bool | None
+    fix_works: bool | None
+    seconds: float
+    detail: str
+
+
+def _off_then_on(
+    name: str,
+    measure: Callable[[], Any],
+    judge_bug: Callable[[Any], tuple[bool, str]],
+    judge_fix: Callable[[Any], tuple[bool, str]],
+) -> CheckResult:
+    from . import REGISTRY, apply, revert
+
+    started = time.perf_counter()
+    revert()
+    try:
+        bug_present, bug_detail = judge_bug(measure())
+    finally:
+        apply()
+    state, _ = REGISTRY.fix_state(name)
+    fix_works: bool | None = None
+    fix_detail = f"fix {state}"
+    if state == "applied":
+        fix_works, fix_detail = judge_fix(measure())
+    elif state == "not-needed":
+        fix_works, fix_detail = not bug_present, "upstream solved it; the fix steps aside"
+    return CheckResult(state, bug_present, fix_works, time.perf_counter() - started, f"{bug_detail}; {fix_detail}")
+
+
+def check_mm_realign(trainer: Any, processor: Any) -> CheckResult:
+    from .batch_scoring import max_batch_vs_alone_gap
+    from .demo import mixed_rows
+
+    rows = mixed_rows()
+
+    def measure() -> dict[str, Any]:
+        outcome: dict[str, Any] = {}
+        for label, order in (("crashing", CRASHING_ORDER), ("silent", SILENT_ORDER)):
+            try:
+                outcome[label] = max_batch_vs_alone_gap(trainer, processor, [rows[i] for i in order])
+            except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+                outcome[label] = f"{type(error).__name__}: {str(error)[:90]}"
+        return outcome
+
+    def describe(outcome: dict[str, Any]) -> str:
+        return ", ".join(
+            f"{label} batch {value if isinstance(value, str) else f'log-probs off by {value:.1e} from each row alone'}"
+            for label, value in outcome.items()
+        )
+
+    def bug(outcome: dict[str, Any]) -> tuple[bool, str]:
+        wrong = [v for v in outcome.values() if isinstance(v, str) or v > 1e-3]
+        return bool(wrong), f"fix off: {describe(outcome)}"
+
+    def fix(outcome: dict[str, Any]) -> tuple[bool, str]:
+        ok = all(isinstance(v, float) and v <= INVARIANCE_TOLERANCE for v in outcome.values())
+        return ok, f"fix on: {describe(outcome)}"
+
+    return _off_then_on("mm_realign", measure, bug, fix)
+
+
+def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
+    from .rollout_schedule import TrainerLoop, build_generation, run_schedule
+
+    def measure() -> TrainerLoop:
+        loop = TrainerLoop(build_generation(model_dir, processor))
+        run_schedule(loop)
+        return loop
+
+    def bug(loop: TrainerLoop) -> tuple[bool, str]:
+        detail = (
+            f"fix off: {loop.stale}/{loop.generates} rollouts on stale or garbage weights, "
+            f"{loop.engine.disk_reloads} disk reloads"
+        )
+        return loop.stale > 0, detail
+
+    def fix(loop: TrainerLoop) -> tuple[bool, str]:
+        ok = loop.stale == 0 and loop.engine.disk_reloads == 0 and loop.max_full_pushes_per_generate <= 1
+        return ok, (
+            f"fix on: {loop.generates - loop.stale}/{loop.generates} rollouts on current weights, "
+            f"{loop.engine.disk_reloads} disk reloads"
+        )
+
+    return _off_then_on("reload_skip", measure, bug, fix)
+
+
+def check_cudagraph(model_dir: Path, processor: Any) -> CheckResult:
+    from .patches.cudagraph import selected_mode
+    from .rollout_schedule import build_generation
+
+    def measure() -> Any:
+        return build_generation(model_dir, processor).llm.init_kwargs.get("compilation_config")
+
+    def bug(config: Any) -> tuple[bool, str]:
+        return config is None, "fix off: the engine gets vLLM's default CUDA graphs (FULL_AND_PIECEWISE)"
+
+    def fix(config: Any) -> tuple[bool, str]:
+        wanted = selected_mode()
+        got = (config or {}).get("cudagraph_mode")
+        try:
+            from vllm.config import CompilationConfig, CUDAGraphMode
+
+            real = CompilationConfig(**config).cudagraph_mode
+            return real == CUDAGraphMode[wanted], f"fix on: vLLM's CompilationConfig gets cudagraph_mode={real.name}"
+        except ImportError:
+            return got == wanted, f"fix on: engine gets cudagraph_mode={got} (vLLM not installed to confirm)"
+
+    return _off_then_on("cudagraph", measure, bug, fix)
+
+
+def _build_trainer(model_dir: Path, processor: Any, workdir: str) -> Any:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from .demo import length_reward, mixed_dataset
+    from .tiny_model import special_token_ids
+
+    config = GRPOConfig(
+        output_dir=os.path.join(workdir, "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        generation_kwargs={"suppress_tokens": special_token_ids(processor.tokenizer)},
+        disable_tqdm=True,
+    )
+    return GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=mixed_dataset(),
+        processing_class=processor,
+    )
+
+
+def collect() -> dict[str, Any]:
+    from . import REGISTRY, __version__
+    from .status import build_status
+
+    REGISTRY.import_targets()
+    started = time.perf_counter()
+    from transformers import AutoProcessor
+
+    from .tiny_model import build_tiny_qwen35_vlm
+
+    workdir = tempfile.mkdtemp(prefix="trl_vlm_fixes_selftest_")
+    model_dir = build_tiny_qwen35_vlm(os.path.join(workdir, "tiny-qwen35-vlm"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    trainer = _build_trainer(model_dir, processor, workdir)
+    checks = {
+        "mm_realign": check_mm_realign(trainer, processor),
+        "reload_skip": check_reload_skip(model_dir, processor),
+        "cudagraph": check_cudagraph(model_dir, processor),
+    }
+    failed = [name for name, check in checks.items() if check.fix_works is False]
+    status = build_status(REGISTRY, __version__)
+    return {
+        "version": __version__,
+        "versions": status["versions"],
+        "fixes": {name: asdict(check) for name, check in checks.items()},
+        "verdict": "fail" if failed else "ok",
+        "failed": failed,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _yes_no(value: bool | None) -> str:
+    return "n/a" if value is None else ("yes" if value else "no")
+
+
+def render(report: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v or '-'}" for k, v in report["versions"].items())
+    lines = [f"trl_vlm_fixes {report['version']} self-test on {versions}", ""]
+    for name, check in report["fixes"].items():
+        lines.append(
+            f"{name:<12} bug present: {_yes_no(check['bug_present']):<4} fix works: "
+            f"{_yes_no(check['fix_works']):<4} ({check['state']}) {check['seconds']:5.1f} s  {check['detail']}"
+        )
+    verdict = (
+        "OK: every enabled fix works on this stack"
+        if report["verdict"] == "ok"
+        else (f"FAIL: {', '.join(report['failed'])} did not work on this stack")
+    )
+    lines += ["", f"{verdict} ({report['seconds']} s)"]
+    return "\n".join(lines)
+
+
+def run_selftest(as_json: bool = False) -> int:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet = ("transformers", "trl", "accelerate", "datasets", "torch")
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = collect()
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0 if report["verdict"] == "ok" else 1
