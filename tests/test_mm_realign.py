@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from trl_vlm_fixes.batch_scoring import max_batch_vs_alone_gap, score_batch
 
 import trl_vlm_fixes
+from trl_vlm_fixes.batch_scoring import max_batch_vs_alone_gap, score_batch
 from trl_vlm_fixes.demo import MIXED_SAMPLES, conversation, make_image, mixed_rows
 from trl_vlm_fixes.realign import VisionTokenMismatchError, rebuild_mm_token_type_ids
 

@@ -1,4 +1,4 @@
-"""Score a mixed batch the way TRL does, and each of its rows alone, on the real trainer and model (tests, self-test)."""
+"""Score a mixed batch the way TRL does, and each row alone, on the real trainer and model (tests, self-test)."""
 
 from __future__ import annotations
 

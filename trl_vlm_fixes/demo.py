@@ -46,6 +46,6 @@ def mixed_dataset(samples: tuple[tuple[int, int, str], ...] = MIXED_SAMPLES[:2])
     return Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "image": [r["image"] for r in rows]})
 
 
-def length_reward(completions: list[Any], **_: Any) -> list[float]:
+def length_reward(completions: list[Any], **_: Any) -> list[float | None]:
     """A toy reward: longer completions score higher (enough for GRPO to have an advantage signal)."""
     return [float(len(str(completion))) for completion in completions]

@@ -77,17 +77,20 @@ def run_schedule(loop: TrainerLoop) -> None:
 
 def build_generation(model_dir: Any, processor: Any, enable_sleep_mode: bool = True, engine_class: Any = None) -> Any:
     """TRL's real VLLMGeneration in colocate mode, on the stand-in engine (the module's LLM is swapped meanwhile)."""
-    import trl.generation.vllm_generation as vllm_generation
+    import importlib
+
     from accelerate import Accelerator
     from transformers import AutoModelForImageTextToText
 
     from .engine_standin import StandInLLM, StandInSamplingParams
 
+    vllm_generation: Any = importlib.import_module("trl.generation.vllm_generation")
+
     if not hasattr(vllm_generation, "SamplingParams"):  # vLLM not installed: generate() needs a stand-in too
-        vllm_generation.SamplingParams = StandInSamplingParams  # type: ignore[attr-defined]
+        vllm_generation.SamplingParams = StandInSamplingParams
     saved = {name: getattr(vllm_generation, name, None) for name in ("LLM", "is_vllm_available")}
-    vllm_generation.LLM = engine_class or StandInLLM  # type: ignore[attr-defined]
-    vllm_generation.is_vllm_available = lambda *a, **k: True  # type: ignore[assignment]
+    vllm_generation.LLM = engine_class or StandInLLM
+    vllm_generation.is_vllm_available = lambda *a, **k: True
     try:
         return vllm_generation.VLLMGeneration(
             model=AutoModelForImageTextToText.from_pretrained(model_dir),
