@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import trl_vlm_fixes
+
+
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def isolated_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's colocate setup writes RANK/WORLD_SIZE/MASTER_PORT into os.environ; tests run in parallel, so each test
+    gets its own port and leaves those variables as it found them (subprocesses inherit a clean rendezvous)."""
+    for variable in DISTRIBUTED_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", free_port())
 
 
 @pytest.fixture(scope="session")
@@ -44,37 +64,10 @@ def fixes_off() -> Iterator[None]:
 def make_trainer(tiny_model_dir: Path, processor: Any, tmp_path: Path) -> Callable[..., Any]:
     """Build a real GRPOTrainer or RLOOTrainer on the tiny model (CPU, float32, no reporting)."""
 
-    def build(kind: str = "grpo", dataset: Any = None, **overrides: Any) -> Any:
-        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    def build(kind: str = "grpo", **overrides: Any) -> Any:
+        from trl_vlm_fixes.demo import build_trainer
 
-        from trl_vlm_fixes.demo import length_reward, mixed_dataset
-        from trl_vlm_fixes.tiny_model import special_token_ids
-
-        config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-        settings: dict[str, Any] = {
-            "output_dir": str(tmp_path / kind),
-            "per_device_train_batch_size": 4,
-            "num_generations": 2,
-            "max_completion_length": 8,
-            "max_steps": 2,
-            "logging_steps": 1,
-            "report_to": [],
-            "use_cpu": True,
-            "bf16": False,
-            "save_strategy": "no",
-            "seed": 0,
-            "generation_kwargs": {"suppress_tokens": special_token_ids(processor.tokenizer)},
-        }
-        settings.update(overrides)
-        trainer_type = overrides.pop("trainer_class", None) or trainer_class
-        settings.pop("trainer_class", None)
-        return trainer_type(
-            model=str(tiny_model_dir),
-            reward_funcs=length_reward,
-            args=config_class(**settings),
-            train_dataset=dataset if dataset is not None else mixed_dataset(),
-            processing_class=processor,
-        )
+        return build_trainer(tiny_model_dir, processor, str(tmp_path / kind), kind, **overrides)
 
     return build
 

@@ -18,34 +18,17 @@ def per_call(fn, repeat: int = 7, number: int = 20) -> float:  # type: ignore[no
 
 def main() -> None:
     from transformers import AutoProcessor
-    from trl import GRPOConfig, GRPOTrainer
 
     import trl_vlm_fixes  # noqa: F401
-    from trl_vlm_fixes.demo import length_reward, mixed_dataset, mixed_rows
+    from trl_vlm_fixes.demo import build_trainer, mixed_rows
     from trl_vlm_fixes.patches.mm_realign import realign_wrapper
     from trl_vlm_fixes.realign import VisionCountCheck, rebuild_mm_token_type_ids
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm, special_token_ids
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
 
     workdir = tempfile.mkdtemp()
     model_dir = build_tiny_qwen35_vlm(f"{workdir}/tiny")
     processor = AutoProcessor.from_pretrained(model_dir)
-    config = GRPOConfig(
-        output_dir=f"{workdir}/out",
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        generation_kwargs={"suppress_tokens": special_token_ids(processor.tokenizer)},
-    )
-    trainer = GRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=length_reward,
-        args=config,
-        train_dataset=mixed_dataset(),
-        processing_class=processor,
-    )
+    trainer = build_trainer(model_dir, processor, f"{workdir}/out")
     out = trainer._generate_and_score_completions(mixed_rows())
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)

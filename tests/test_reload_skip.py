@@ -156,23 +156,12 @@ def test_random_schedules_find_the_bug_upstream(make_generation: Callable[..., A
         run_state_machine_as_test(_machine(make_generation), settings=SCHEDULE_SETTINGS)
 
 
-def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GRPOTrainer with use_vllm, colocate, sleep mode, the mixed image batch, and 2 generations per optimizer step."""
-    import trl.generation.vllm_generation as vllm_generation
-
+def colocate_sleep_trainer(make_trainer: Any) -> Any:
+    """GRPO with use_vllm, colocate, sleep mode, 4 mixed prompts and two rollouts per optimizer step
+    (gradient_accumulation_steps=2 > steps_per_generation=1), for 3 steps."""
     from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
 
-    records: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
-    trainer_holder: dict[str, Any] = {}
-
-    class RecordingEngine(StandInLLM):
-        def generate(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().generate(*args, **kwargs)
-            records.append((self.rollouts[-1], trainer_weights(trainer_holder["trainer"].model)))
-            return out
-
-    monkeypatch.setattr(vllm_generation, "LLM", RecordingEngine, raising=False)
-    trainer = make_trainer(
+    return make_trainer(
         "grpo",
         use_vllm=True,
         vllm_mode="colocate",
@@ -184,6 +173,23 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
         generation_kwargs=None,
         dataset=mixed_dataset(MIXED_SAMPLES),
     )
+
+
+def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPOTrainer with use_vllm, colocate, sleep mode, the mixed image batch, and 2 generations per optimizer step."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    records: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+    trainer_holder: dict[str, Any] = {}
+
+    class RecordingEngine(StandInLLM):
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().generate(*args, **kwargs)
+            records.append((self.rollouts[-1], trainer_weights(trainer_holder["trainer"].model)))
+            return out
+
+    monkeypatch.setattr(vllm_generation, "LLM", RecordingEngine, raising=False)
+    trainer = colocate_sleep_trainer(make_trainer)
     trainer_holder["trainer"] = trainer
     trainer.train()
     engine = trainer.vllm_generation.llm
@@ -202,22 +208,9 @@ def test_grpo_colocate_sleep_mode_end_to_end_upstream_is_stale(
 ) -> None:
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
-
     one_fix_off("reload_skip")
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
-    trainer = make_trainer(
-        "grpo",
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_enable_sleep_mode=True,
-        gradient_accumulation_steps=2,
-        steps_per_generation=1,
-        max_steps=3,
-        learning_rate=0.05,
-        generation_kwargs=None,
-        dataset=mixed_dataset(MIXED_SAMPLES),
-    )
+    trainer = colocate_sleep_trainer(make_trainer)
     trainer.train()
     engine = trainer.vllm_generation.llm
     assert engine.disk_reloads == 6

@@ -49,3 +49,37 @@ def mixed_dataset(samples: tuple[tuple[int, int, str], ...] = MIXED_SAMPLES[:2])
 def length_reward(completions: list[Any], **_: Any) -> list[float | None]:
     """A toy reward: longer completions score higher (enough for GRPO to have an advantage signal)."""
     return [float(len(str(completion))) for completion in completions]
+
+
+def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "grpo", **overrides: Any) -> Any:
+    """A real GRPOTrainer or RLOOTrainer on the tiny model: CPU, float32, no reporting, mixed dataset by default."""
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from .tiny_model import special_token_ids
+
+    classes: tuple[Any, Any] = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+    config_class, trainer_class = classes
+    dataset = overrides.pop("dataset", None)
+    settings: dict[str, Any] = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "bf16": False,
+        "save_strategy": "no",
+        "seed": 0,
+        # a random model must never sample a vision pad token (it would break any VLM forward)
+        "generation_kwargs": {"suppress_tokens": special_token_ids(processor.tokenizer)},
+        **overrides,
+    }
+    return trainer_class(
+        model=str(model_dir),
+        reward_funcs=length_reward,
+        args=config_class(**settings),
+        train_dataset=dataset if dataset is not None else mixed_dataset(),
+        processing_class=processor,
+    )

@@ -138,34 +138,6 @@ def check_cudagraph(model_dir: Path, processor: Any) -> CheckResult:
     return _off_then_on("cudagraph", measure, bug, fix)
 
 
-def _build_trainer(model_dir: Path, processor: Any, workdir: str) -> Any:
-    from trl import GRPOConfig, GRPOTrainer
-
-    from .demo import length_reward, mixed_dataset
-    from .tiny_model import special_token_ids
-
-    config = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        generation_kwargs={"suppress_tokens": special_token_ids(processor.tokenizer)},
-        disable_tqdm=True,
-    )
-    return GRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=length_reward,
-        args=config,
-        train_dataset=mixed_dataset(),
-        processing_class=processor,
-    )
-
-
 def collect() -> dict[str, Any]:
     from . import REGISTRY, __version__
     from .status import build_status
@@ -174,12 +146,13 @@ def collect() -> dict[str, Any]:
     started = time.perf_counter()
     from transformers import AutoProcessor
 
+    from .demo import build_trainer
     from .tiny_model import build_tiny_qwen35_vlm
 
     workdir = tempfile.mkdtemp(prefix="trl_vlm_fixes_selftest_")
     model_dir = build_tiny_qwen35_vlm(os.path.join(workdir, "tiny-qwen35-vlm"))
     processor = AutoProcessor.from_pretrained(model_dir)
-    trainer = _build_trainer(model_dir, processor, workdir)
+    trainer = build_trainer(model_dir, processor, os.path.join(workdir, "out"), disable_tqdm=True)
     checks = {
         "mm_realign": check_mm_realign(trainer, processor),
         "reload_skip": check_reload_skip(model_dir, processor),
