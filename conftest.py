@@ -16,7 +16,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import trl_vlm_fixes
 
-
 DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
