@@ -58,8 +58,3 @@ def support_targets() -> tuple[Any, ...]:
         Target(module=module, qualname=f"{cls}.log", wrapper=flush_into_trainer_log)
         for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
     )
-
-
-def peek(owner: Any) -> dict[str, float]:
-    pending = _counters.get(owner) or {}
-    return {name: float(sum(float(v) for v in values)) for name, values in pending.items()}

@@ -24,8 +24,6 @@ from .versions import version_drift
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
-STATES = ("applied", "disabled", "skipped", "not-needed", "pending")
-
 WrapperFunction = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 TargetCheck = Callable[[Callable[..., Any]], "str | None"]
 
@@ -182,9 +180,6 @@ class Registry:
 
     def summary(self) -> str:
         return ", ".join(f"{name}={self.fix_state(name)[0]}" for name in self.fixes)
-
-    def is_patched(self, owner: type, attribute: str) -> bool:
-        return any(p.owner is owner and p.attribute == attribute for p in self._patched.values())
 
     # ----------------------------------------------------------------- internals
     def _warn_version_drift(self, fix: Fix) -> None:

@@ -36,7 +36,6 @@ class EngineWeights:
 
     discarded: bool = True  # TRL puts a fresh engine to sleep at level 2 before anything is pushed
     pushed_fingerprint: int | None = None
-    pushes: int = 0
     repushes: int = 0
     reloads_skipped: int = 0
 
@@ -143,7 +142,6 @@ def sync_weights_wrapper(
         state = engine_weights(instance)
         state.discarded = False
         state.pushed_fingerprint = parameters_fingerprint(instance.model)
-        state.pushes += 1
     return result
 
 
