@@ -195,6 +195,7 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
     engine = trainer.vllm_generation.llm
     assert trainer.state.global_step == 3 and len(records) == 6
     assert all(engine_weights_match(engine_state, current) for engine_state, current in records)
+    assert not engine_weights_match(engine.checkpoint, records[-1][1]), "training never moved the weights"
     assert engine.disk_reloads == 0
     assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
     if upstream_reloads_from_disk():
@@ -215,6 +216,7 @@ def test_grpo_colocate_sleep_mode_end_to_end_upstream_is_stale(
     engine = trainer.vllm_generation.llm
     assert engine.disk_reloads == 6
     assert sum(engine_weights_match(rollout, engine.checkpoint) for rollout in engine.rollouts) == 6
+    assert not engine_weights_match(engine.checkpoint, trainer_weights(trainer.model)), "the weights never moved"
 
 
 def test_stand_in_matches_the_real_vllm_signatures() -> None:

@@ -124,11 +124,13 @@ class StandInLLM:
         max_tokens = getattr(sampling_params, "max_tokens", 4) or 4
         want_logprobs = getattr(sampling_params, "logprobs", None) is not None
         outputs = []
-        for prompt in prompts if isinstance(prompts, list) else [prompts]:
+        for row, prompt in enumerate(prompts if isinstance(prompts, list) else [prompts]):
             ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt)
             completions = []
             for k in range(n):
-                tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(max_tokens)]
+                # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
+                length = max(1, max_tokens - (row + k) % 3)
+                tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(length)]
                 logprobs = [{t: Logprob(-1.0)} for t in tokens] if want_logprobs else None
                 completions.append(CompletionOutput(tokens, logprobs))
             outputs.append(RequestOutput(ids, completions))
