@@ -8,6 +8,7 @@ the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,10 @@ class StandInLLM:
     def __init__(self, model: str, *, enable_sleep_mode: bool = False, **kwargs: Any) -> None:
         self.init_kwargs: dict[str, Any] = {"model": model, "enable_sleep_mode": enable_sleep_mode, **kwargs}
         self.checkpoint = read_checkpoint(model)
+        # a random model samples close to uniformly: reporting that log-probability keeps TRL's importance-sampling
+        # ratio near 1, as with a real engine (a made-up value would mask every sequence and zero the gradients)
+        vocab = next((t.shape[0] for n, t in self.checkpoint.items() if n.endswith("lm_head.weight")), 2)
+        self.sampling_logprob = -math.log(vocab)
         self.weights = {name: tensor.clone() for name, tensor in self.checkpoint.items()}
         self.weights_awake = True
         self.kv_cache_awake = True
@@ -131,7 +136,7 @@ class StandInLLM:
                 # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
                 length = max(1, max_tokens - (row + k) % 3)
                 tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(length)]
-                logprobs = [{t: Logprob(-1.0)} for t in tokens] if want_logprobs else None
+                logprobs = [{t: Logprob(self.sampling_logprob)} for t in tokens] if want_logprobs else None
                 completions.append(CompletionOutput(tokens, logprobs))
             outputs.append(RequestOutput(ids, completions))
         return outputs

@@ -1,0 +1,249 @@
+"""End-to-end GRPO on a Qwen3.5 VLM with TRL's colocated vLLM engine: does it train, on which weights, in which mode?
+
+GRPOTrainer with ``use_vllm=True``, ``vllm_mode="colocate"``, sleep mode, the mixed image batch (four image sizes, four
+prompt lengths in every batch) and ``gradient_accumulation_steps=2 > steps_per_generation=1`` (two rollouts per
+optimizer step, the second without TRL's sync). During every rollout the engine's ``lm_head`` is compared with the
+trainer's current one and with the original checkpoint; the engine's CUDA-graph mode is read from its own config.
+Each variant runs in a fresh process:
+    on               all fixes (``import trl_vlm_fixes``)
+    off              TRL_VLM_FIXES=0: TRL 1.9.1 as released
+    reload_skip_off  TRL_VLM_FIXES_RELOAD_SKIP=0: the batch trains (mm_realign), rollouts show the reload bug
+    PYTHONPATH=.:$SITE python benchmarks/gpu/grpo_end_to_end.py --variants on,off,reload_skip_off --out grpo.json
+``--stand-in`` swaps the engine for the behavioural stand-in (CPU dry run of the script itself, no vLLM engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+VARIANT_SWITCHES = {
+    "on": {},
+    "off": {"TRL_VLM_FIXES": "0"},
+    "reload_skip_off": {"TRL_VLM_FIXES_RELOAD_SKIP": "0"},
+}
+
+
+def varied_reward(completions: list[Any], **_: Any) -> list[float]:
+    """Any two different completions score differently, so every group has a non-zero advantage and the weights move."""
+    return [(sum(ord(c) for c in str(completion)) % 997) / 997 for completion in completions]
+
+
+def served_lm_head(engine: Any) -> Any:
+    """The lm_head the engine generates with (the stand-in keeps a dict; vLLM a model behind its worker)."""
+    if hasattr(engine, "weights"):
+        return engine.weights["lm_head.weight"]
+    model = engine.llm_engine.model_executor.driver_worker.model_runner.model
+    return (getattr(model, "lm_head", None) or model.language_model.lm_head).weight
+
+
+def engine_cudagraph_mode(engine: Any) -> str:
+    """What the engine itself was configured with (vLLM resolves the mode into its own config)."""
+    config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    if config is not None:
+        mode = config.compilation_config.cudagraph_mode
+        return str(getattr(mode, "name", mode))
+    compilation = getattr(engine, "init_kwargs", {}).get("compilation_config")  # the stand-in
+    return str((compilation or {}).get("cudagraph_mode", "default"))
+
+
+def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) -> Any:
+    import torch
+    from transformers import AutoProcessor
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
+    from trl_vlm_fixes.tiny_model import special_token_ids
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    on_gpu = torch.cuda.is_available() and not stand_in
+    config = GRPOConfig(
+        output_dir=output_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=1024,
+        per_device_train_batch_size=8,  # 4 prompts x 2 generations: every batch holds all four mixed samples
+        num_generations=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,  # < gradient_accumulation_steps: a second rollout per step, without TRL's sync
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"},
+        # the stand-in cannot report the model's own log-probabilities: its importance ratios would mask everything
+        vllm_importance_sampling_correction=not stand_in,
+        # a random model must never sample a vision pad token (its forward would need an image for it)
+        generation_kwargs={"logit_bias": {token: -100.0 for token in special_token_ids(processor.tokenizer)}},
+    )
+    return GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=varied_reward,
+        args=config,
+        train_dataset=mixed_dataset(MIXED_SAMPLES * 4),  # 4 micro-batches an epoch: 2 full steps
+        processing_class=processor,
+    )
+
+
+def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
+    """One variant in this process: build the trainer (and its engine), train, and record every rollout."""
+    import torch
+
+    import trl_vlm_fixes
+
+    if stand_in:
+        import trl.generation.vllm_generation as vllm_generation
+
+        from trl_vlm_fixes.engine_standin import StandInLLM
+
+        vllm_generation.LLM = StandInLLM  # type: ignore[attr-defined]
+    else:
+        from common import force_triton_gdn_prefill, prepare_single_process_colocate
+
+        prepare_single_process_colocate()
+        force_triton_gdn_prefill()
+    result: dict[str, Any] = {}
+    started = time.perf_counter()
+    trainer = build_trainer(model_dir, tempfile.mkdtemp(), steps, stand_in)
+    result["fixes"] = {name: patch["state"] for name, patch in trl_vlm_fixes.status()["patches"].items()}
+    result["trainer_and_engine_start_s"] = round(time.perf_counter() - started, 1)
+    engine = trainer.vllm_generation.llm
+    result["engine_cudagraph_mode"] = engine_cudagraph_mode(engine)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    original = model.lm_head.weight.detach().clone()
+    vocab = original.shape[0]
+    rollouts: list[dict[str, Any]] = []
+    reloads = {"count": 0}
+    real_generate, real_rpc = engine.generate, engine.collective_rpc
+
+    def recording_generate(*args: Any, **kwargs: Any) -> Any:
+        served = served_lm_head(engine)[:vocab].detach()  # vLLM pads the vocabulary
+        current = model.lm_head.weight.detach().to(served.device, served.dtype)
+        rollouts.append(
+            {
+                "global_step": trainer.state.global_step,
+                "on_current": bool(torch.equal(served, current)),
+                "on_original": bool(torch.equal(served, original.to(served.device, served.dtype))),
+                "all_zero": bool(not served.any()),
+                "trainer_moved_from_original": not bool(torch.equal(current, original.to(current.device))),
+            }
+        )
+        return real_generate(*args, **kwargs)
+
+    def counting_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
+        reloads["count"] += method == "reload_weights"
+        return real_rpc(method, *args, **kwargs)
+
+    engine.generate = recording_generate
+    engine.collective_rpc = counting_rpc
+    started = time.perf_counter()
+    try:
+        trainer.train()
+        result["trained"] = True
+    except Exception as error:  # noqa: BLE001 - the failure itself is the finding for the "off" variant
+        result["trained"] = False
+        result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    result["train_s"] = round(time.perf_counter() - started, 1)
+    result["global_steps"] = trainer.state.global_step
+    result["rollouts"] = rollouts
+    result["disk_reloads"] = reloads["count"]
+    result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    result["plugin_metrics"] = [
+        {key: value for key, value in log.items() if key.startswith("trl_vlm_fixes/")}
+        for log in trainer.state.log_history
+        if any(key.startswith("trl_vlm_fixes/") for key in log)
+    ]
+    result["weights_trained"] = not bool(torch.equal(model.lm_head.weight.detach(), original))
+    return result
+
+
+def summarize(variant: str, result: dict[str, Any]) -> dict[str, Any]:
+    rollouts = result.get("rollouts", [])
+    after_first_step = [r for r in rollouts if r["trainer_moved_from_original"]]
+    return {
+        "variant": variant,
+        "trained": result.get("trained"),
+        "steps": result.get("global_steps"),
+        "rollouts": len(rollouts),
+        "on_current": sum(r["on_current"] for r in rollouts),
+        "on_original_after_training_moved": sum(r["on_original"] for r in after_first_step),
+        "all_zero": sum(r["all_zero"] for r in rollouts),
+        "disk_reloads": result.get("disk_reloads"),
+        "cudagraph_mode": result.get("engine_cudagraph_mode"),
+        "error": result.get("error", ""),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="on,off,reload_skip_off")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default="grpo_end_to_end.json")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per variant (a hang is a finding too)")
+    parser.add_argument("--stand-in", action="store_true", help="CPU dry run with the behavioural stand-in engine")
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_variant(Path(args.model_dir), args.steps, args.stand_in)), flush=True)
+        return
+    unknown = set(args.variants.split(",")) - set(VARIANT_SWITCHES)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANT_SWITCHES)}")
+    from common import build_random_qwen35
+
+    model_dir = build_random_qwen35(tempfile.mkdtemp(), hidden=512, layers=4)
+    report: dict[str, Any] = {"steps": args.steps, "stand_in": args.stand_in, "variants": {}}
+    if not args.stand_in:
+        from common import versions
+
+        report["versions"] = versions()
+    for variant in args.variants.split(","):
+        command = [sys.executable, __file__, "--one", variant, "--model-dir", str(model_dir)]
+        command += ["--steps", str(args.steps)] + (["--stand-in"] if args.stand_in else [])
+        environment = {key: value for key, value in os.environ.items() if not key.startswith("TRL_VLM_FIXES")}
+        environment.update(VARIANT_SWITCHES[variant])
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=environment)
+        except subprocess.TimeoutExpired:
+            report["variants"][variant] = {"trained": False, "error": f"no result within {args.timeout} s (hang?)"}
+            print(f"{variant}: timed out after {args.timeout} s", flush=True)
+            continue
+        lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            errors = [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
+            error = "\n".join(errors[-5:]) or f"exit {run.returncode}"
+            report["variants"][variant] = {"trained": False, "error": error}
+            print(f"{variant}: failed (exit {run.returncode})\n" + "\n".join(run.stderr.splitlines()[-25:]), flush=True)
+            continue
+        report["variants"][variant] = json.loads(lines[-1][len("RESULT ") :])
+        print(json.dumps(summarize(variant, report["variants"][variant])), flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    header = ("variant", "trained", "steps", "rollouts", "on current", "on original*", "all zero", "reloads", "mode")
+    print("".join(f"{h:>16}" for h in header))
+    for variant, result in report["variants"].items():
+        row = summarize(variant, result)
+        cells = [row[k] for k in ("variant", "trained", "steps", "rollouts", "on_current")]
+        cells += [row[k] for k in ("on_original_after_training_moved", "all_zero", "disk_reloads", "cudagraph_mode")]
+        print("".join(f"{c!s:>16}" for c in cells) + (f"   {row['error'][:120]}" if row["error"] else ""))
+    print("* rollouts on the original checkpoint although the trainer's weights had already moved away from it")
+
+
+if __name__ == "__main__":
+    main()
