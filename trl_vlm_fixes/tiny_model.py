@@ -71,7 +71,13 @@ def build_processor() -> Any:
     )
 
 
-def build_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+def build_config(
+    vocab_size: int,
+    token_ids: dict[str, int],
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+) -> Any:
+    """The tiny test shape; ``text``/``vision`` override fields (the GPU benchmarks: larger, kernel-ready)."""
     from transformers import Qwen3_5Config
 
     text_config = {
@@ -111,8 +117,8 @@ def build_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
         "num_position_embeddings": 64,
     }
     return Qwen3_5Config(
-        text_config=text_config,
-        vision_config=vision_config,
+        text_config={**text_config, **(text or {})},
+        vision_config={**vision_config, **(vision or {})},
         image_token_id=token_ids["<|image_pad|>"],
         video_token_id=token_ids["<|video_pad|>"],
         vision_start_token_id=token_ids["<|vision_start|>"],
@@ -121,8 +127,14 @@ def build_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
     )
 
 
-def build_tiny_qwen35_vlm(directory: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3.5 VLM checkpoint and its processor to ``directory``; returns the path."""
+def build_tiny_qwen35_vlm(
+    directory: str | Path,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random Qwen3.5 VLM checkpoint (tiny unless ``text``/``vision`` say otherwise) and its processor."""
     import torch
     from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
 
@@ -131,7 +143,8 @@ def build_tiny_qwen35_vlm(directory: str | Path, seed: int = 0) -> Path:
     tokenizer = processor.tokenizer
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(build_config(len(tokenizer), token_ids)).float()
+    config = build_config(len(tokenizer), token_ids, text, vision)
+    model = Qwen3_5ForConditionalGeneration(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
     )

@@ -28,17 +28,10 @@ def force_triton_gdn_prefill() -> None:
 
 def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: int = 0) -> Path:
     """A random Qwen3.5 VLM with the real 3:1 linear/full attention layout, head dims vLLM's kernels accept."""
-    import torch
-    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
 
-    from trl_vlm_fixes.tiny_model import SPECIAL_TOKENS, build_processor
-
-    processor = build_processor()
-    tokenizer = processor.tokenizer
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     heads = max(2, hidden // 128)
     text = {
-        "vocab_size": len(tokenizer),
         "hidden_size": hidden,
         "intermediate_size": hidden * 3,
         "num_hidden_layers": layers,
@@ -46,12 +39,10 @@ def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: i
         "num_attention_heads": heads,
         "num_key_value_heads": 2,
         "head_dim": 256,
-        "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": 128,
         "linear_value_head_dim": 128,
         "linear_num_key_heads": heads,
         "linear_num_value_heads": heads * 2,
-        "max_position_embeddings": 4096,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000000.0,
@@ -59,36 +50,9 @@ def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: i
             "mrope_section": [11, 11, 10],
             "mrope_interleaved": True,
         },
-        "pad_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
     }
-    vision = {
-        "depth": 1,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_heads": 2,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": hidden,
-        "num_position_embeddings": 64,
-    }
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    directory = Path(directory)
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return directory
+    vision = {"hidden_size": 128, "intermediate_size": 256, "out_hidden_size": hidden}
+    return build_tiny_qwen35_vlm(directory, seed, text=text, vision=vision, dtype="bfloat16")
 
 
 def versions() -> dict[str, Any]:
