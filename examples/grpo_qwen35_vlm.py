@@ -105,6 +105,9 @@ def main() -> int:
             f"trained {trainer.state.global_step} steps on a mixed image batch; last loss {last['loss']:.4f}; "
             f"fix metrics {fixes}"
         )
+    # leave the process group cleanly: exiting with it alive can abort a rank at teardown after a good run
+    state.wait_for_everyone()
+    state.destroy_process_group()
     return 0
 
 
