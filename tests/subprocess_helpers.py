@@ -21,11 +21,15 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s
 HIDE_VLLM = "sys.modules['vllm'] = None\n"
 
 
+def environment_without_switches() -> dict[str, str]:
+    """This process's environment minus every TRL_VLM_FIXES* switch: a child starts from the defaults."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+
+
 def run_python(
     code: str = "", env: dict[str, str] | None = None, args: list[str] | None = None, with_vllm: bool = False
 ) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
-    environment.update(env or {})
+    environment = {**environment_without_switches(), **(env or {})}
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(PRELUDE + ("" if with_vllm else HIDE_VLLM) + textwrap.dedent(code))
     command = [sys.executable, *(args or [script.name])]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_helpers import environment_without_switches
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_qwen35_vlm.py"
 
@@ -19,7 +20,7 @@ def _free_port() -> str:
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+    env = environment_without_switches()
     env["MASTER_PORT"] = _free_port()  # tests run in parallel: never share torch.distributed's default port
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 

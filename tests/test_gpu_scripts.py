@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stack import upstream_reloads_from_disk
+from subprocess_helpers import environment_without_switches
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "grpo_end_to_end.py"
 
@@ -20,7 +21,7 @@ def _stale(rollouts: list[dict[str, Any]]) -> int:
 
 def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "grpo.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+    env = environment_without_switches()
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
     command = [sys.executable, str(SCRIPT), "--stand-in", "--steps", "2", "--variants", "on,reload_skip_off,off"]
     result = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 from stack import upstream_reloads_from_disk
+from subprocess_helpers import environment_without_switches
 
 import trl_vlm_fixes
 from trl_vlm_fixes.selftest import run_selftest
 
 
 def _selftest(env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
-    environment.update(env or {})
+    environment = {**environment_without_switches(), **(env or {})}
     result = subprocess.run(
         [sys.executable, "-m", "trl_vlm_fixes", "selftest", "--json"],
         capture_output=True,

@@ -70,7 +70,8 @@ class StandInLLM:
         self.checkpoint = read_checkpoint(model)
         # a random model samples close to uniformly: reporting that log-probability keeps TRL's importance-sampling
         # ratio near 1, as with a real engine (a made-up value would mask every sequence and zero the gradients)
-        vocab = next((t.shape[0] for n, t in self.checkpoint.items() if n.endswith("lm_head.weight")), 2)
+        vocab_matrices = ("lm_head.weight", "embed_tokens.weight")
+        vocab = next(t.shape[0] for n, t in self.checkpoint.items() if n.endswith(vocab_matrices))
         self.sampling_logprob = -math.log(vocab)
         self.weights = {name: tensor.clone() for name, tensor in self.checkpoint.items()}
         self.weights_awake = True

@@ -10,12 +10,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import error_lines, print_result, run_in_fresh_process
 
 MODEL_DIR = Path(os.environ.get("TRL_VLM_FIXES_BENCH_MODEL", "/tmp/trl_vlm_fixes_qwen35_1b"))
 
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one)), flush=True)
+        print_result(measure(args.one))
         return
     from common import build_random_qwen35, versions
 
@@ -77,13 +77,11 @@ def main() -> None:
         build_random_qwen35(MODEL_DIR, hidden=2048, layers=16)
     results = []
     for mode in args.modes.split(","):
-        run = subprocess.run([sys.executable, __file__, "--one", mode], capture_output=True, text=True)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            errors = [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
-            print(f"{mode}: failed\n" + "\n".join(errors[-15:]))
+        result, run = run_in_fresh_process([__file__, "--one", mode])
+        if result is None:
+            print(f"{mode}: failed\n" + "\n".join(error_lines(run)[-15:] if run else []))
             continue
-        results.append(json.loads(lines[-1][7:]))
+        results.append(result)
         print(results[-1], flush=True)
     Path(args.out).write_text(json.dumps({"versions": versions(), "results": results}, indent=2))
     print(f"{'mode':<20}{'batch 64 tok/s':>16}{'batch 16 tok/s':>16}{'engine start s':>16}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import RolloutRecorder, engine_cudagraph_mode, error_lines, print_result, run_in_fresh_process
 
 VARIANT_SWITCHES = {
     "on": {},
@@ -33,27 +33,9 @@ VARIANT_SWITCHES = {
 }
 
 
-def varied_reward(completions: list[Any], **_: Any) -> list[float]:
+def varied_reward(completions: list[Any], **_: Any) -> list[float | None]:
     """Any two different completions score differently, so every group has a non-zero advantage and the weights move."""
     return [(sum(ord(c) for c in str(completion)) % 997) / 997 for completion in completions]
-
-
-def served_lm_head(engine: Any) -> Any:
-    """The lm_head the engine generates with (the stand-in keeps a dict; vLLM a model behind its worker)."""
-    if hasattr(engine, "weights"):
-        return engine.weights["lm_head.weight"]
-    model = engine.llm_engine.model_executor.driver_worker.model_runner.model
-    return (getattr(model, "lm_head", None) or model.language_model.lm_head).weight
-
-
-def engine_cudagraph_mode(engine: Any) -> str:
-    """What the engine itself was configured with (vLLM resolves the mode into its own config)."""
-    config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
-    if config is not None:
-        mode = config.compilation_config.cudagraph_mode
-        return str(getattr(mode, "name", mode))
-    compilation = getattr(engine, "init_kwargs", {}).get("compilation_config")  # the stand-in
-    return str((compilation or {}).get("cudagraph_mode", "default"))
 
 
 def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) -> Any:
@@ -112,7 +94,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
 
         from trl_vlm_fixes.engine_standin import StandInLLM
 
-        vllm_generation.LLM = StandInLLM  # type: ignore[attr-defined]
+        setattr(vllm_generation, "LLM", StandInLLM)  # noqa: B010 - vllm_generation.LLM is typed as the real class
     else:
         from common import force_triton_gdn_prefill, prepare_single_process_colocate
 
@@ -126,32 +108,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     engine = trainer.vllm_generation.llm
     result["engine_cudagraph_mode"] = engine_cudagraph_mode(engine)
     model = trainer.accelerator.unwrap_model(trainer.model)
-    original = model.lm_head.weight.detach().clone()
-    vocab = original.shape[0]
-    rollouts: list[dict[str, Any]] = []
-    reloads = {"count": 0}
-    real_generate, real_rpc = engine.generate, engine.collective_rpc
-
-    def recording_generate(*args: Any, **kwargs: Any) -> Any:
-        served = served_lm_head(engine)[:vocab].detach()  # vLLM pads the vocabulary
-        current = model.lm_head.weight.detach().to(served.device, served.dtype)
-        rollouts.append(
-            {
-                "global_step": trainer.state.global_step,
-                "on_current": bool(torch.equal(served, current)),
-                "on_original": bool(torch.equal(served, original.to(served.device, served.dtype))),
-                "all_zero": bool(not served.any()),
-                "trainer_moved_from_original": not bool(torch.equal(current, original.to(current.device))),
-            }
-        )
-        return real_generate(*args, **kwargs)
-
-    def counting_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
-        reloads["count"] += method == "reload_weights"
-        return real_rpc(method, *args, **kwargs)
-
-    engine.generate = recording_generate
-    engine.collective_rpc = counting_rpc
+    recorder = RolloutRecorder(engine, model.lm_head.weight, tags=lambda: {"global_step": trainer.state.global_step})
     started = time.perf_counter()
     try:
         trainer.train()
@@ -161,15 +118,15 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
         result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     result["train_s"] = round(time.perf_counter() - started, 1)
     result["global_steps"] = trainer.state.global_step
-    result["rollouts"] = rollouts
-    result["disk_reloads"] = reloads["count"]
+    result["rollouts"] = recorder.rollouts
+    result["disk_reloads"] = recorder.disk_reloads
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     result["plugin_metrics"] = [
         {key: value for key, value in log.items() if key.startswith("trl_vlm_fixes/")}
         for log in trainer.state.log_history
         if any(key.startswith("trl_vlm_fixes/") for key in log)
     ]
-    result["weights_trained"] = not bool(torch.equal(model.lm_head.weight.detach(), original))
+    result["weights_trained"] = not bool(torch.equal(model.lm_head.weight.detach(), recorder.original))
     return result
 
 
@@ -201,7 +158,7 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_variant(Path(args.model_dir), args.steps, args.stand_in)), flush=True)
+        print_result(run_variant(Path(args.model_dir), args.steps, args.stand_in))
         return
     unknown = set(args.variants.split(",")) - set(VARIANT_SWITCHES)
     if unknown:
@@ -215,24 +172,21 @@ def main() -> None:
 
         report["versions"] = versions()
     for variant in args.variants.split(","):
-        command = [sys.executable, __file__, "--one", variant, "--model-dir", str(model_dir)]
-        command += ["--steps", str(args.steps)] + (["--stand-in"] if args.stand_in else [])
+        command = [__file__, "--one", variant, "--model-dir", str(model_dir), "--steps", str(args.steps)]
+        command += ["--stand-in"] if args.stand_in else []
         environment = {key: value for key, value in os.environ.items() if not key.startswith("TRL_VLM_FIXES")}
         environment.update(VARIANT_SWITCHES[variant])
-        try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=environment)
-        except subprocess.TimeoutExpired:
+        result, run = run_in_fresh_process(command, timeout=args.timeout, env=environment)
+        if run is None:
             report["variants"][variant] = {"trained": False, "error": f"no result within {args.timeout} s (hang?)"}
             print(f"{variant}: timed out after {args.timeout} s", flush=True)
             continue
-        lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            errors = [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
-            error = "\n".join(errors[-5:]) or f"exit {run.returncode}"
+        if result is None:
+            error = "\n".join(error_lines(run)[-5:]) or f"exit {run.returncode}"
             report["variants"][variant] = {"trained": False, "error": error}
             print(f"{variant}: failed (exit {run.returncode})\n" + "\n".join(run.stderr.splitlines()[-25:]), flush=True)
             continue
-        report["variants"][variant] = json.loads(lines[-1][len("RESULT ") :])
+        report["variants"][variant] = result
         print(json.dumps(summarize(variant, report["variants"][variant])), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     header = ("variant", "trained", "steps", "rollouts", "on current", "on original*", "all zero", "reloads", "mode")

@@ -14,12 +14,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import trl_vlm_fixes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import build_random_qwen35, force_triton_gdn_prefill, prepare_single_process_colocate, versions
+from common import (
+    RolloutRecorder,
+    build_random_qwen35,
+    engine_cudagraph_mode,
+    force_triton_gdn_prefill,
+    prepare_single_process_colocate,
+    versions,
+)
 
 
 def main() -> None:
@@ -39,8 +45,6 @@ def main() -> None:
     model_dir = build_random_qwen35(tempfile.mkdtemp(), args.hidden, args.layers)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    vocab = model.lm_head.weight.shape[0]
-    original = model.lm_head.weight.detach().clone()
     started = time.perf_counter()
     generation = VLLMGeneration(
         model=model,
@@ -55,38 +59,14 @@ def main() -> None:
         temperature=1.0,
     )
     engine_start_s = time.perf_counter() - started
-    engine = generation.llm
-    engine_model = engine.llm_engine.model_executor.driver_worker.model_runner.model
-    engine_lm_head = getattr(engine_model, "lm_head", None) or engine_model.language_model.lm_head
-    records: list[dict[str, Any]] = []
-    reloads = {"count": 0}
-    real_generate, real_rpc = engine.generate, engine.collective_rpc
-
-    def recording_generate(*a: Any, **k: Any) -> Any:
-        served = engine_lm_head.weight[:vocab].detach()  # vLLM pads the vocabulary
-        records.append(
-            {
-                "on_current": bool(torch.equal(served, model.lm_head.weight.detach())),
-                "on_original": bool(torch.equal(served, original)),
-                "all_zero": bool(not served.any()),
-            }
-        )
-        return real_generate(*a, **k)
-
-    def counting_rpc(method: Any, *a: Any, **k: Any) -> Any:
-        reloads["count"] += method == "reload_weights"
-        return real_rpc(method, *a, **k)
-
-    engine.generate = recording_generate
-    engine.collective_rpc = counting_rpc
+    recorder = RolloutRecorder(generation.llm, model.lm_head.weight)
     prompts = [processor.tokenizer.encode("hello there, how are you?")] * 4
     results = {}
     for label, on in (("fixes off (TRL 1.9.1)", False), ("fixes on", True)):
         trl_vlm_fixes.revert()
         if on:
             trl_vlm_fixes.apply()
-        records.clear()
-        reloads["count"] = 0
+        recorder.clear()
         generate_s, sync_s = [], []
         for _step in range(args.steps):
             with torch.no_grad():  # the optimizer step: the trainer's weights move
@@ -100,14 +80,14 @@ def main() -> None:
                 generation.generate(prompts=prompts, images=None, num_generations=1)
                 generate_s.append(time.perf_counter() - t)
         results[label] = {
-            "generates": len(records),
-            "on_current_weights": sum(r["on_current"] for r in records),
-            "on_original_checkpoint": sum(r["on_original"] for r in records),
-            "on_all_zero_weights": sum(r["all_zero"] for r in records),
-            "disk_reloads": reloads["count"],
+            "generates": len(recorder.rollouts),
+            "on_current_weights": sum(r["on_current"] for r in recorder.rollouts),
+            "on_original_checkpoint": sum(r["on_original"] for r in recorder.rollouts),
+            "on_all_zero_weights": sum(r["all_zero"] for r in recorder.rollouts),
+            "disk_reloads": recorder.disk_reloads,
             "median_generate_s": sorted(generate_s)[len(generate_s) // 2],
             "median_sync_s": sorted(sync_s)[len(sync_s) // 2],
-            "rollouts": list(records),
+            "rollouts": list(recorder.rollouts),
         }
     report = {
         "versions": versions(),
@@ -116,13 +96,7 @@ def main() -> None:
         "layers": args.layers,
         "steps": args.steps,
         "results": results,
-        "compilation_config": str(
-            getattr(
-                getattr(getattr(engine.llm_engine, "vllm_config", None), "compilation_config", None),
-                "cudagraph_mode",
-                None,
-            )
-        ),
+        "compilation_config": engine_cudagraph_mode(generation.llm),
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(
