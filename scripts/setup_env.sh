@@ -16,7 +16,7 @@ fi
 py="$venv/bin/python"
 pip() { "$py" -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pip install "torch==2.14.1" "torchvision==0.29.1"
-pip install "trl==$trl_version" "transformers==$transformers_version" requests accelerate datasets pillow peft \
+pip install "trl==$trl_version" "transformers==$transformers_version" requests accelerate datasets pillow peft jmespath \
   "wrapt>=1.14,!=2.2.0,<3" packaging pytest pytest-timeout pytest-xdist hypothesis ruff mypy
 # vLLM without its heavy dependencies: enough to import LLM and CompilationConfig on the CPU (no engine runs here).
 pip install --no-deps "vllm==$vllm_version"

@@ -14,7 +14,7 @@ from trl_vlm_fixes.engine_standin import StandInLLM
 from trl_vlm_fixes.patches.cudagraph import (
     VALID_MODES,
     CudagraphModeError,
-    _EngineFactory,
+    contribute,
     merge_compilation_config,
 )
 
@@ -81,18 +81,15 @@ def test_merge_keeps_other_fields(existing: Any, expected: dict[str, Any]) -> No
 
 
 def test_merge_reaches_the_engine_constructor() -> None:
-    factory = _EngineFactory(StandInLLM.__new__, "test")
-    captured: dict[str, Any] = {}
+    from trl_vlm_fixes.engine_args import EngineBuild
 
-    def constructor(*args: Any, **kwargs: Any) -> str:
-        captured.update(kwargs)
-        return "engine"
-
-    factory.engine_class = constructor
     existing = {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}
-    assert factory(model="m", compilation_config=existing) == "engine"
-    assert captured["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
+    kwargs: dict[str, Any] = {"model": "m", "compilation_config": existing}
+    build = EngineBuild("test", model_config=None)
+    contribute(kwargs, build)
+    assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
     assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated
+    assert build.changes and build.changes[0].startswith("cudagraph_mode=NONE")
 
 
 def test_unknown_config_type_is_a_clear_error() -> None:
@@ -101,7 +98,7 @@ def test_unknown_config_type_is_a_clear_error() -> None:
 
 
 def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         make_generation()
     lines = [r for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
     assert len(lines) == 1 and "cudagraph_mode=NONE" in lines[0].getMessage()

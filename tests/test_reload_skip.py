@@ -50,7 +50,11 @@ def test_rollouts_run_on_current_weights_with_fix(make_generation: Callable[...,
     assert loop.max_full_pushes_per_generate <= 1.0
     if upstream_reloads_from_disk():
         state = trl_vlm_fixes.patches.reload_skip.engine_weights(loop.generation)
-        assert state.repushes == 3 and state.reloads_skipped == loop.generates
+        # re-pushes: the 2nd rollout of a step, the tool rollout's first turn (not its 2 later turns), the lone
+        # generate and the evaluation rollout; TRL's own 3 syncs cover the rest
+        assert state.repushes == 4 and state.reloads_skipped == loop.generates
+        # one level-2 sleep at start, then one per generate except the two later tool turns (deferred, done once)
+        assert loop.engine.sleeps == [2] * (1 + loop.generates - 2)
 
 
 @pytest.mark.skipif(upstream_reloads_from_disk(), reason="TRL 1.9.1 has the bug (shown above)")
@@ -233,3 +237,156 @@ def test_stand_in_matches_the_real_vllm_signatures() -> None:
     assert ("model" in init and "enable_sleep_mode" in inspect.signature(vllm.LLM.__init__).parameters) or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()
     )
+
+
+# --- several ranks, multi-turn tool loops: no collective of the plugin's, every turn on current weights ------
+
+
+def run_tool_loop_ranks(model_dir: Any, tmp_path: Any, turns: str, env: dict[str, str] | None = None) -> list[Any]:
+    """tests/programs/tool_loop_ranks.py under torchrun with 2 CPU processes (gloo); a deadlock fails the test."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from subprocess_helpers import environment_without_switches
+
+    from conftest import free_port
+
+    program = Path(__file__).parent / "programs" / "tool_loop_ranks.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    command += [str(program), str(model_dir), str(tmp_path), turns]
+    try:
+        result = subprocess.run(
+            command, env={**environment_without_switches(), **(env or {})}, capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired as timeout:
+        raise AssertionError(f"two ranks with tool turns {turns} deadlocked (no end within 240 s)") from timeout
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads((Path(tmp_path) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir: Any, tmp_path: Any) -> None:
+    """Rank 0 calls the tool twice per rollout (3 generates), rank 1 never (1): no deadlock, no collective of ours,
+    every turn on the trainer's current weights, no disk reload, no push beyond TRL's own sync per step."""
+    ranks = run_tool_loop_ranks(tiny_model_dir, tmp_path, "2,0")
+    assert [r["generates"] for r in ranks] == [6, 2] and all(r["steps"] == 2 for r in ranks)
+    for record in ranks:
+        assert record["plugin_collectives"] == [], record["plugin_collectives"]
+        assert record["on_current_weights"] == record["generates"]
+        assert record["disk_reloads"] == 0
+        assert record["full_pushes"] == record["steps"]  # TRL's own sync per step; later turns need no push
+
+
+@bug_present
+@pytest.mark.slow
+def test_uneven_tool_turns_upstream_run_on_the_base_model(tiny_model_dir: Any, tmp_path: Any) -> None:
+    ranks = run_tool_loop_ranks(tiny_model_dir, tmp_path, "2,0", env={"TRL_VLM_FIXES_RELOAD_SKIP": "0"})
+    for record in ranks:
+        assert record["disk_reloads"] == record["generates"]
+        assert record["on_current_weights"] < record["generates"]  # after step 0, rollouts ran on the checkpoint
+
+
+@bug_present
+def test_tool_rollout_keeps_the_weights_between_turns(make_generation: Callable[..., Any]) -> None:
+    loop = TrainerLoop(make_generation())
+    loop.optimizer_step()
+    pushes_before = loop.engine.tensor_pushes
+    sleeps_before = len(loop.engine.sleeps)
+    loop.tool_rollout(turns=4)
+    assert loop.stale == 0 and loop.engine.disk_reloads == 0
+    assert loop.engine.tensor_pushes - pushes_before == loop._parameters  # one push (TRL's sync) for 4 turns
+    assert loop.engine.sleeps[sleeps_before:] == [2]  # the rollout ends asleep at level 2, as upstream
+
+
+@bug_present
+def test_a_generate_that_fails_half_way_is_followed_by_a_push(make_generation: Callable[..., Any]) -> None:
+    """The engine's level-2 sleep discards the weights, then raises: the next generate must push them again."""
+
+    class InterruptedSleep(StandInLLM):
+        interrupt = False
+
+        def sleep(self, level: int = 1, mode: str = "abort") -> None:
+            super().sleep(level, mode)
+            if self.interrupt:
+                self.interrupt = False
+                raise RuntimeError("interrupted while falling asleep")
+
+    loop = TrainerLoop(make_generation(engine_class=InterruptedSleep))
+    loop.trl_generate()
+    loop.optimizer_step()
+    loop.trl_generate()
+    loop.engine.interrupt = True
+    with pytest.raises(RuntimeError, match="interrupted"):
+        loop.generate_again()
+    loop.generate_again()
+    assert loop.on_zeros == 0 and loop.stale == 0
+
+
+def test_fingerprint_sees_and_misses_exactly_what_its_docstring_says() -> None:
+    from trl_vlm_fixes.patches.reload_skip import parameters_fingerprint
+
+    model = torch.nn.Linear(3, 2)
+    start = parameters_fingerprint(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # in place through the parameter: seen
+    assert parameters_fingerprint(model) != start
+    seen = parameters_fingerprint(model)
+    model.bias = torch.nn.Parameter(torch.zeros(2))  # a replaced parameter: seen
+    assert parameters_fingerprint(model) != seen
+    seen = parameters_fingerprint(model)
+    model.weight.data = torch.ones(2, 3)  # p.data = other: a new storage, seen
+    assert parameters_fingerprint(model) != seen
+    seen = parameters_fingerprint(model)
+    model.weight.data.add_(1.0)  # through p.data: documented as not seen
+    flat = torch.zeros(6)
+    model.weight.data = flat.view(2, 3)
+    seen = parameters_fingerprint(model)
+    flat.add_(1.0)  # through another alias of the storage (ZeRO-1/2 flat buffer): documented as not seen
+    assert parameters_fingerprint(model) == seen
+
+
+@pytest.mark.parametrize(
+    ("body", "shape", "upstream"),
+    [
+        ("self.llm.collective_rpc( 'reload_weights' )\n        self.llm.generate()", None, None),
+        ('self.llm.collective_rpc(\n            method="reload_weights",\n        )', None, None),
+        ("self.sync_weights( )\n        self.llm.generate()", None, "re-pushes"),
+        ("self.llm.generate()", "neither reloads", None),
+        ("x = 'collective_rpc(\"reload_weights\")'  # only text", "neither reloads", None),
+    ],
+)
+def test_source_guards_are_structural(tmp_path: Any, body: str, shape: str | None, upstream: str | None) -> None:
+    """A modified copy of TRL's generate: quotes, spacing and line breaks change nothing; a string is not a call."""
+    import importlib.util
+
+    from trl_vlm_fixes.patches.reload_skip import _reload_shape, _upstream_repushes
+
+    source = f"class VLLMGeneration:\n    def generate(self):\n        {body}\n"
+    path = tmp_path / "modified_vllm_generation.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("modified_vllm_generation", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        generate = module.VLLMGeneration.generate
+        problem = _reload_shape(generate)
+        assert (problem is None) if shape is None else (shape in (problem or ""))
+        verdict = _upstream_repushes(generate)
+        assert (verdict is None) if upstream is None else (upstream in (verdict or ""))
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_source_guards_on_the_installed_trl() -> None:
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_vlm_fixes.patches.reload_skip import _reload_shape, _upstream_repushes
+
+    assert _reload_shape(VLLMGeneration.generate) is None
+    assert (_upstream_repushes(VLLMGeneration.generate) is None) == upstream_reloads_from_disk()

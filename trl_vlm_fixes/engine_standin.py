@@ -81,6 +81,7 @@ class StandInLLM:
         self.sleeps: list[int] = []
         self.rollouts: list[dict[str, torch.Tensor]] = []
         self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 4096),  # read by TRL's tool loop
             model_executor=SimpleNamespace(
                 driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=_WeightLoader(self)))
             )

@@ -16,22 +16,25 @@ REALIGNED_ROWS = PREFIX + "mm_realigned_rows"
 WEIGHT_REPUSHES = PREFIX + "weight_repushes"
 DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
 
-_counters: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
+# One running total per owner and counter: memory stays bounded whatever logging_steps is, and for owners nobody
+# drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).
+_counters: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def count(owner: Any, name: str, amount: Any) -> None:
-    """Add ``amount`` (an int or a 0-dim tensor) to ``owner``'s counter ``name`` for the current step."""
+    """Add ``amount`` (an int or a 0-dim tensor, kept on its device) to ``owner``'s running total ``name``."""
     # an owner that cannot be weakly referenced: counting is best effort, never an error
     with contextlib.suppress(TypeError):
-        _counters.setdefault(owner, {}).setdefault(name, []).append(amount)
+        totals = _counters.setdefault(owner, {})
+        totals[name] = totals[name] + amount if name in totals else amount
 
 
 def drain(owner: Any) -> dict[str, float]:
-    """Sum and reset ``owner``'s counters."""
+    """Read and reset ``owner``'s totals (the one place a device counter is read)."""
     pending = _counters.pop(owner, None) if owner is not None else None
     if not pending:
         return {}
-    return {name: float(sum(float(v) for v in values)) for name, values in pending.items()}
+    return {name: float(total) for name, total in pending.items()}
 
 
 def flush_into_trainer_log(

@@ -31,6 +31,29 @@ def rebuild_mm_token_type_ids(
     return markers
 
 
+def realign_prompt_markers(
+    input_ids: torch.Tensor,
+    markers: torch.Tensor,
+    prompt_columns: int,
+    image_token_id: int | None,
+    video_token_id: int | None,
+) -> torch.Tensor:
+    """Prompt columns rebuilt from ``input_ids``; completion columns keep the markers TRL gave them.
+
+    TRL marks completions as text (zeros), except on its tool-image path, where it builds markers over the whole
+    sequence itself: either way the completion part is TRL's to decide, and a token the policy sampled is never
+    turned into a vision marker here.
+    """
+    if markers.shape == input_ids.shape:
+        realigned = markers.clone()
+    else:  # TRL always extends the markers over the completion; anything else is rebuilt and the rest left text
+        realigned = torch.zeros_like(input_ids, dtype=markers.dtype)
+    realigned[:, :prompt_columns] = rebuild_mm_token_type_ids(
+        input_ids[:, :prompt_columns], image_token_id, video_token_id, dtype=markers.dtype
+    )
+    return realigned
+
+
 def changed_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Number of rows whose markers the realign changed (a 0-dim tensor, read lazily for metrics)."""
     if before.shape != after.shape:

@@ -32,6 +32,15 @@ class FixNotApplicableError(RuntimeError):
     """Raised instead of a warning when TRL_VLM_FIXES_STRICT=1 and an enabled fix cannot be applied."""
 
 
+_registries: list[Registry] = []
+
+
+def report_runtime_state(fix_name: str, target_key: str, state: str, detail: str) -> None:
+    """A wrapper found at run time that its fix did not act (e.g. nothing reached ``LLM(...)``): status says so."""
+    for registry in _registries:
+        registry.set_state(fix_name, target_key, state, detail)
+
+
 def _no_problem(function: Callable[..., Any]) -> str | None:
     return None
 
@@ -96,6 +105,7 @@ class Registry:
         self._reverted = False
         self._strict = False
         self._lock = threading.RLock()
+        _registries.append(self)
 
     # ------------------------------------------------------------------ public
     def apply(self) -> None:
@@ -128,7 +138,7 @@ class Registry:
     def revert(self) -> None:
         """Put back the exact original attributes; nothing of ours stays on any class."""
         with self._lock:
-            for key, patched in list(self._patched.items()):
+            for key, patched in reversed(list(self._patched.items())):  # last wrapped is outermost
                 current = vars(patched.owner).get(patched.attribute)
                 if current is patched.wrapper:
                     setattr(patched.owner, patched.attribute, patched.original)
@@ -204,55 +214,47 @@ class Registry:
                     if not self._records[fix.name].enabled:
                         continue
                     for target in fix.targets:
-                        if target.module == module.__name__ and target.key not in self._patched:
+                        if target.module == module.__name__ and _patch_key(fix.name, target) not in self._patched:
                             self._patch(fix, target, module)
                 if any(record.enabled for record in self._records.values()):
                     for target in self.support:
-                        if target.module == module.__name__ and target.key not in self._patched:
-                            self._patch_support(target, module)
+                        if target.module == module.__name__ and _patch_key("", target) not in self._patched:
+                            self._patch(None, target, module)
         except FixNotApplicableError:
             raise
         except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
             LOGGER.warning("trl_vlm_fixes: internal error while patching %s: %r", module.__name__, error)
 
-    def _patch(self, fix: Fix, target: Target, module: ModuleType) -> None:
+    def _patch(self, fix: Fix | None, target: Target, module: ModuleType) -> None:
+        """Wrap one target in place; ``fix`` None is a support target (metrics flush), never reported."""
         class_name, _, attribute = target.qualname.rpartition(".")
         owner = getattr(module, class_name, None)
-        if not isinstance(owner, type):
-            self._skip(fix, target, f"{target.module}.{class_name} not found")
+        original = vars(owner).get(attribute) if isinstance(owner, type) else None
+        problem = _target_problem(owner, class_name, original, target)
+        if fix is None:
+            if problem:
+                LOGGER.debug("trl_vlm_fixes: support target %s absent (%s); no fix metrics", target.key, problem)
+                return
+        elif problem:
+            self._skip(fix, target, problem)
             return
-        if attribute not in vars(owner):
-            self._skip(fix, target, f"{target.qualname} is no longer defined on {class_name}")
-            return
-        original = vars(owner)[attribute]
-        if not callable(original):
-            self._skip(fix, target, f"{target.qualname} is not a function")
-            return
-        problem = _missing_parameters(original, target.required_parameters) or target.shape_problem(original)
-        if problem:
-            self._skip(fix, target, f"{target.qualname}: {problem}")
-            return
-        reason = target.upstream_fixed(original)
-        if reason:
+        elif reason := target.upstream_fixed(original):
             self._set(fix, target, "not-needed", f"{target.qualname}: {reason}")
             LOGGER.info("trl_vlm_fixes: %s steps aside for %s: %s", fix.name, target.qualname, reason)
             return
+        assert isinstance(owner, type) and original is not None  # _target_problem checked both
         wrapper = wrapt.FunctionWrapper(original, target.wrapper)
         setattr(owner, attribute, wrapper)
-        self._patched[target.key] = _Patched(owner, attribute, original, wrapper)
-        self._set(fix, target, "applied", f"{target.qualname} wrapped")
-        LOGGER.debug("trl_vlm_fixes: %s wrapped %s", fix.name, target.key)
+        self._patched[_patch_key(fix.name if fix else "", target)] = _Patched(owner, attribute, original, wrapper)
+        if fix is not None:
+            self._set(fix, target, "applied", f"{target.qualname} wrapped")
+            LOGGER.debug("trl_vlm_fixes: %s wrapped %s", fix.name, target.key)
 
-    def _patch_support(self, target: Target, module: ModuleType) -> None:
-        class_name, _, attribute = target.qualname.rpartition(".")
-        owner = getattr(module, class_name, None)
-        if not isinstance(owner, type) or attribute not in vars(owner):
-            LOGGER.debug("trl_vlm_fixes: support target %s absent; fix metrics will not be logged", target.key)
-            return
-        original = vars(owner)[attribute]
-        wrapper = wrapt.FunctionWrapper(original, target.wrapper)
-        setattr(owner, attribute, wrapper)
-        self._patched[target.key] = _Patched(owner, attribute, original, wrapper)
+    def set_state(self, fix_name: str, target_key: str, state: str, detail: str) -> None:
+        with self._lock:
+            record = self._records.get(fix_name)
+            if record is not None and target_key in record.targets and self._active:
+                record.targets[target_key] = (state, detail)
 
     def _set(self, fix: Fix, target: Target, state: str, detail: str) -> None:
         self._records[fix.name].targets[target.key] = (state, detail)
@@ -266,6 +268,23 @@ class Registry:
         if self._strict:
             raise FixNotApplicableError(message + " (raised because TRL_VLM_FIXES_STRICT=1)")
         LOGGER.warning(message)
+
+
+def _target_problem(owner: Any, class_name: str, original: Any, target: Target) -> str | None:
+    """Why ``target`` cannot be wrapped as declared (class or method gone, or not the shape it relies on)."""
+    if not isinstance(owner, type):
+        return f"{target.module}.{class_name} not found"
+    if original is None:
+        return f"{target.qualname} is no longer defined on {class_name}"
+    if not callable(original):
+        return f"{target.qualname} is not a function"
+    problem = _missing_parameters(original, target.required_parameters) or target.shape_problem(original)
+    return problem and f"{target.qualname}: {problem}"
+
+
+def _patch_key(fix_name: str, target: Target) -> str:
+    """Several fixes may wrap one method (the engine builder): each wrapper is recorded on its own."""
+    return f"{fix_name}|{target.key}"
 
 
 def _missing_parameters(function: Callable[..., Any], required: tuple[str, ...]) -> str | None:

@@ -47,8 +47,25 @@ class TrainerLoop:
             self.last_loaded_step = self.global_step
         self.generate_again()
 
+    def tool_rollout(self, turns: int) -> None:
+        """One trainer rollout of ``turns`` generates (a multi-turn tool loop inside GRPOTrainer._generate).
+
+        With reload_skip applied, the trainer's ``_generate`` is one rollout scope (the wrapper the fix puts on it);
+        upstream it is just several generates in a row.
+        """
+        from contextlib import nullcontext
+
+        import trl_vlm_fixes
+        from trl_vlm_fixes.patches.reload_skip import rollout_scope
+
+        applied = trl_vlm_fixes.REGISTRY.fix_state("reload_skip")[0] == "applied"
+        with rollout_scope(self.generation) if applied else nullcontext():
+            self.trl_generate()
+            for _ in range(turns - 1):
+                self.generate_again()
+
     def generate_again(self) -> None:
-        """A rollout with no sync before it: another generation in the same step, a tool-loop turn."""
+        """A generate with no sync before it: another generation in the same step, or a tool-loop turn."""
         self.generation.generate(prompts=[[1, 2, 3], [4, 5, 6]], images=None, num_generations=1)
         self.generates += 1
         snapshot = self.engine.rollouts[-1]
@@ -64,12 +81,13 @@ class TrainerLoop:
 
 def run_schedule(loop: TrainerLoop) -> None:
     """Step 0, then two training steps with a second rollout in the same step (steps_per_generation <
-    gradient_accumulation_steps), a tool-loop turn and an evaluation rollout."""
+    gradient_accumulation_steps), a three-turn tool-loop rollout, a lone generate and an evaluation rollout."""
     loop.trl_generate()
     loop.optimizer_step()
     loop.trl_generate()
     loop.trl_generate()  # same global_step: TRL does not sync
-    loop.generate_again()  # multi-turn tool loop
+    loop.tool_rollout(turns=3)  # multi-turn tool loop in one rollout
+    loop.generate_again()  # a generate outside any trainer rollout
     loop.optimizer_step()
     loop.trl_generate()
     loop.trl_generate()  # evaluation after the step: same path, no sync

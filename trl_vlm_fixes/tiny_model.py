@@ -1,7 +1,8 @@
-"""A tiny random Qwen3.5 vision-language model and processor, built offline (tests, example, self-test).
+"""Tiny random Qwen vision-language models and processors, built offline (tests, example, self-test).
 
-Nothing is downloaded: a byte-level vocabulary with the Qwen special tokens, a 2-layer text model (one
-Gated-DeltaNet linear-attention layer, one full-attention layer) and a 1-block vision tower.
+Nothing is downloaded: a byte-level vocabulary with the Qwen special tokens, a 2-layer text model and a 1-block vision
+tower. ``qwen3_5`` (the default) has one Gated-DeltaNet linear-attention layer and one full-attention layer;
+``qwen3_vl`` and ``qwen2_5_vl`` are the other Qwen VLM families whose processors return ``mm_token_type_ids``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def _byte_level_vocab() -> dict[str, int]:
     return vocab
 
 
-def build_processor() -> Any:
-    """A working Qwen3VLProcessor over the tiny vocabulary (default padding side, as a user would load it)."""
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor, Qwen3VLVideoProcessor
+FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+
+
+def build_processor(family: str = "qwen3_5") -> Any:
+    """A working processor of ``family`` over the tiny vocabulary (default padding side, as a user would load it)."""
+    import transformers
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
     tokenizer = Qwen3_5Tokenizer(
@@ -56,19 +60,25 @@ def build_processor() -> Any:
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     tokenizer.chat_template = CHAT_TEMPLATE
-    pixels = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, size=pixels
-    )
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, size=pixels
-    )
-    return Qwen3VLProcessor(
-        image_processor=image_processor,
+    patch = _patch_size(family)
+    pixels = {"shortest_edge": 2 * patch * 2 * patch, "longest_edge": 128 * 128}
+    shape = {"patch_size": patch, "merge_size": MERGE_SIZE, "temporal_patch_size": 2, "size": pixels}
+    names = {
+        "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+        "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+    }[family]
+    processor_class, video_class = (getattr(transformers, name) for name in names)
+    return processor_class(
+        image_processor=transformers.Qwen2VLImageProcessorPil(**shape),
         tokenizer=tokenizer,
-        video_processor=video_processor,
+        video_processor=video_class(**shape),
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def _patch_size(family: str) -> int:
+    return 14 if family == "qwen2_5_vl" else PATCH_SIZE
 
 
 def build_config(
@@ -76,24 +86,19 @@ def build_config(
     token_ids: dict[str, int],
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
+    family: str = "qwen3_5",
 ) -> Any:
     """The tiny test shape; ``text``/``vision`` override fields (the GPU benchmarks: larger, kernel-ready)."""
-    from transformers import Qwen3_5Config
+    import transformers
 
-    text_config = {
+    text_config: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 2,
         "max_position_embeddings": 4096,
         "rope_parameters": {
             "rope_type": "default",
@@ -105,18 +110,37 @@ def build_config(
         "pad_token_id": token_ids["<|endoftext|>"],
         "eos_token_id": token_ids["<|im_end|>"],
     }
-    vision_config = {
+    vision_config: dict[str, Any] = {
         "depth": 1,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "patch_size": PATCH_SIZE,
+        "patch_size": _patch_size(family),
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": 2,
         "out_hidden_size": 32,
-        "num_position_embeddings": 64,
     }
-    return Qwen3_5Config(
+    if family == "qwen3_5":
+        text_config.update(
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+        )
+        vision_config["num_position_embeddings"] = 64
+    elif family == "qwen3_vl":
+        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}
+        vision_config.update(num_position_embeddings=64, deepstack_visual_indexes=[])
+    else:  # qwen2_5_vl: head_dim is hidden / heads, no interleaving
+        text_config.pop("head_dim")
+        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        text_config["bos_token_id"] = token_ids["<|endoftext|>"]
+        vision_config.update(window_size=112, fullatt_block_indexes=[0])
+    config_class = {"qwen3_5": "Qwen3_5Config", "qwen3_vl": "Qwen3VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}[family]
+    return getattr(transformers, config_class)(
         text_config={**text_config, **(text or {})},
         vision_config={**vision_config, **(vision or {})},
         image_token_id=token_ids["<|image_pad|>"],
@@ -133,18 +157,25 @@ def build_tiny_qwen35_vlm(
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
     dtype: str = "float32",
+    family: str = "qwen3_5",
 ) -> Path:
-    """Write a random Qwen3.5 VLM checkpoint (tiny unless ``text``/``vision`` say otherwise) and its processor."""
+    """Write a random VLM checkpoint of ``family`` (tiny unless ``text``/``vision`` say otherwise) and its processor."""
     import torch
-    from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
+    import transformers
+    from transformers import GenerationConfig
 
     directory = Path(directory)
-    processor = build_processor()
+    processor = build_processor(family)
     tokenizer = processor.tokenizer
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     torch.manual_seed(seed)
-    config = build_config(len(tokenizer), token_ids, text, vision)
-    model = Qwen3_5ForConditionalGeneration(config).to(getattr(torch, dtype))
+    config = build_config(len(tokenizer), token_ids, text, vision, family)
+    model_class = {
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    }[family]
+    model = getattr(transformers, model_class)(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
     )

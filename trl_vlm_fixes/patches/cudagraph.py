@@ -9,15 +9,12 @@ mutated after the engine exists and ``enforce_eager`` is never touched.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from ..registry import Fix, Target
+from ..engine_args import EngineBuild, engine_builder_targets
+from ..registry import Fix
 from ..switches import CUDAGRAPH_MODE_VARIABLE
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -96,92 +93,16 @@ def _warn_override(previous: Any, mode: str) -> None:
         )
 
 
-class _EngineFactory:
-    """Stands in for ``LLM`` during one TRL call: adds the compilation config, then builds the real engine."""
+def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
+    """Merge the selected ``cudagraph_mode`` into the engine's compilation config."""
+    mode = selected_mode()
+    kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
+    build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {CUDAGRAPH_MODE_VARIABLE} to choose)")
 
-    def __init__(self, engine_class: Any, caller: str) -> None:
-        self.engine_class = engine_class
-        self.caller = caller
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = selected_mode()
-        kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
-        LOGGER.info(
-            "trl_vlm_fixes.cudagraph: %s builds the colocated vLLM engine with cudagraph_mode=%s (%s). Choose with "
-            "%s, or TRL_VLM_FIXES_CUDAGRAPH=0 for vLLM's default.",
-            self.caller,
-            mode,
-            SPEED_NOTE[mode],
-            CUDAGRAPH_MODE_VARIABLE,
-        )
-        return self.engine_class(*args, **kwargs)
-
-
-@contextmanager
-def _engine_factory_in(module_name: str, caller: str) -> Iterator[None]:
-    """Rebind the module's global ``LLM`` for the duration of one call; always restored."""
-    module = sys.modules.get(module_name)
-    engine_class = getattr(module, "LLM", None) if module is not None else None
-    if module is None or engine_class is None:  # vLLM absent: TRL raises its own ImportError
-        yield
-        return
-    factory = _EngineFactory(engine_class, caller)
-    module.LLM = factory  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        if getattr(module, "LLM", None) is factory:
-            module.LLM = engine_class  # type: ignore[attr-defined]
-
-
-def _make_wrapper(module_name: str, caller: str) -> Callable[..., Any]:
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with _engine_factory_in(module_name, caller):
-            return wrapped(*args, **kwargs)
-
-    return wrapper
-
-
-def _builds_engine(function: Callable[..., Any]) -> str | None:
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return "source unavailable, cannot confirm that it builds vllm.LLM"
-    return None if "LLM(" in source else "no longer builds the engine with LLM(...)"
-
-
-def _already_configured(function: Callable[..., Any]) -> str | None:
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return None
-    if "cudagraph_mode" in source:
-        return "TRL already sets cudagraph_mode for the colocated engine"
-    return None
-
-
-_GENERATION_MODULE = "trl.generation.vllm_generation"
-_ONLINE_DPO_MODULE = "trl.experimental.online_dpo.online_dpo_trainer"
 
 FIX = Fix(
     name="cudagraph",
     summary="colocated vLLM engine without CUDA graphs (Gated-DeltaNet decode hang)",
     packages=("trl", "vllm"),
-    targets=(
-        Target(
-            module=_GENERATION_MODULE,
-            qualname="VLLMGeneration._init_vllm",
-            wrapper=_make_wrapper(_GENERATION_MODULE, "VLLMGeneration"),
-            shape_problem=_builds_engine,
-            upstream_fixed=_already_configured,
-        ),
-        Target(
-            module=_ONLINE_DPO_MODULE,
-            qualname="OnlineDPOTrainer.__init__",
-            wrapper=_make_wrapper(_ONLINE_DPO_MODULE, "OnlineDPOTrainer"),
-            shape_problem=_builds_engine,
-            upstream_fixed=_already_configured,
-            optional=True,
-        ),
-    ),
+    targets=engine_builder_targets("cudagraph", contribute),
 )

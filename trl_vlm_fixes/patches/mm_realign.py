@@ -1,10 +1,16 @@
 """mm_realign: rebuild Qwen's ``mm_token_type_ids`` from the ``input_ids`` that actually reach the model.
 
 TRL 1.9.1 left-pads ``prompt_ids`` but takes ``mm_token_type_ids`` from a second processor call that pads on the
-processor's side (right for Qwen). In a batch of unequal prompt lengths the markers then point at the wrong columns:
-``get_rope_index`` crashes with ``shape mismatch`` or silently assigns wrong vision positions. The wrapper sits on
+processor's side (right for Qwen, when the user passes their own processor; TRL's own default processor is loaded
+left-padded). In a batch of unequal prompt lengths the markers then point at the wrong columns: ``get_rope_index``
+crashes with ``shape mismatch`` or silently assigns wrong vision positions. The wrapper sits on
 ``_get_per_token_logps_and_entropies``, the one place every scoring pass (old, ref and policy log-probs) goes
 through, so the markers are aligned by construction wherever they are used.
+
+It acts only for the model families whose markers it is proven to rebuild exactly (image pad -> 1, video pad -> 2,
+else 0, with distinct image and video pad tokens): Qwen3.5, Qwen3-VL and Qwen2.5-VL. Any other family (other marker
+values, such as Gemma 4's audio 3, or one placeholder shared by images and videos, such as GLM-4V) keeps TRL's markers,
+and one log line says so.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from ..registry import Fix, Target
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
 _TARGET_METHOD = "_get_per_token_logps_and_entropies"
-_REQUIRED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "num_images")
+_REQUIRED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "num_images", "logits_to_keep")
+# model_type of the families whose markers are rebuilt exactly (each proven by a test: crash or misscore upstream,
+# exact per-row scores with the fix)
+PROVEN_FAMILIES = frozenset({"qwen3_5", "qwen3_vl", "qwen2_5_vl"})
 
 _pad_ids_cache: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None, int]] = weakref.WeakKeyDictionary()
 _signature_cache: dict[Any, inspect.Signature] = {}
+_stepped_aside: set[str] = set()
 
 
 def _unwrap_model(model: Any) -> Any:
@@ -34,6 +44,10 @@ def _unwrap_model(model: Any) -> Any:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return model
+
+
+def model_family(model: Any) -> str | None:
+    return getattr(getattr(_unwrap_model(model), "config", None), "model_type", None)
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:
@@ -45,47 +59,65 @@ def _token_id(tokenizer: Any, token: str) -> int | None:
     return int(token_id)
 
 
+def _first_int(*candidates: Any) -> int | None:
+    return next((int(c) for c in candidates if isinstance(c, int) and not isinstance(c, bool)), None)
+
+
 def resolve_vision_ids(trainer: Any, model: Any) -> tuple[int | None, int | None, int]:
-    """(image pad id, video pad id, spatial merge size): trainer first, then processor, then model config."""
+    """(image pad id, video pad id, spatial merge size).
+
+    The processor's own ``image_token_id`` / ``video_token_id`` are authoritative; then TRL's guess (the trainer's
+    ``_image_pad_token_id``), the tokenizer's Qwen tokens, the model config. Only a successful resolution is cached.
+    """
     cached = _pad_ids_cache.get(trainer)
     if cached is not None:
         return cached
     processor = getattr(trainer, "processing_class", None)
     tokenizer = getattr(processor, "tokenizer", processor)
     config = getattr(_unwrap_model(model), "config", None)
-
-    def first(*candidates: Any) -> int | None:
-        for candidate in candidates:
-            if isinstance(candidate, int):
-                return candidate
-        return None
-
-    image_id = first(
-        getattr(trainer, "_image_pad_token_id", None),
+    image_id = _first_int(
         getattr(processor, "image_token_id", None),
+        getattr(trainer, "_image_pad_token_id", None),
         _token_id(tokenizer, "<|image_pad|>"),
         getattr(config, "image_token_id", None),
     )
-    video_id = first(
-        getattr(trainer, "_video_pad_token_id", None),
+    video_id = _first_int(
         getattr(processor, "video_token_id", None),
+        getattr(trainer, "_video_pad_token_id", None),
         _token_id(tokenizer, "<|video_pad|>"),
         getattr(config, "video_token_id", None),
     )
-    merge_size = first(
+    merge_size = _first_int(
         getattr(getattr(processor, "image_processor", None), "merge_size", None),
         getattr(getattr(config, "vision_config", None), "spatial_merge_size", None),
     )
     resolved = (image_id, video_id, merge_size or 2)
-    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is simply not cached
-        _pad_ids_cache[trainer] = resolved
     if image_id is None and video_id is None:
         LOGGER.warning(
-            "trl_vlm_fixes.mm_realign: no image or video pad token id is known for %s (trainer, processor and model "
-            "config give none); mm_token_type_ids are left as TRL built them.",
+            "trl_vlm_fixes.mm_realign: no image or video pad token id is known for %s (processor, trainer, tokenizer "
+            "and model config give none); mm_token_type_ids are left as TRL built them.",
             type(trainer).__name__,
         )
+        return resolved
+    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is simply not cached
+        _pad_ids_cache[trainer] = resolved
     return resolved
+
+
+def _steps_aside(family: str | None, image_id: int | None, video_id: int | None) -> str | None:
+    """Why the markers of this model cannot be rebuilt exactly, or None."""
+    if family not in PROVEN_FAMILIES:
+        proven = ", ".join(sorted(PROVEN_FAMILIES))
+        return f"model type {family!r} is not one whose markers it rebuilds exactly ({proven})"
+    if image_id is not None and image_id == video_id:
+        return "images and videos share one placeholder token, so the markers cannot be told apart"
+    return None
+
+
+def _say_once(key: str, message: str, *args: Any) -> None:
+    if key not in _stepped_aside:
+        _stepped_aside.add(key)
+        LOGGER.warning(message, *args)
 
 
 def _bind(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
@@ -103,12 +135,24 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     input_ids = bound.arguments.get("input_ids")
     if markers is None or input_ids is None:
         return wrapped(*args, **kwargs)
-    image_id, video_id, merge_size = resolve_vision_ids(instance, bound.arguments.get("model"))
+    model = bound.arguments.get("model")
+    image_id, video_id, merge_size = resolve_vision_ids(instance, model)
     if image_id is None and video_id is None:
         return wrapped(*args, **kwargs)
-    from ..realign import VisionCountCheck, changed_rows, rebuild_mm_token_type_ids  # torch: only once TRL runs
+    family = model_family(model)
+    reason = _steps_aside(family, image_id, video_id)
+    if reason:
+        _say_once(
+            f"{type(instance).__name__}:{family}",
+            "trl_vlm_fixes.mm_realign steps aside for %s: %s; mm_token_type_ids are left as TRL built them.",
+            type(instance).__name__,
+            reason,
+        )
+        return wrapped(*args, **kwargs)
+    from ..realign import VisionCountCheck, changed_rows, realign_prompt_markers  # torch: only once TRL runs
 
-    realigned = rebuild_mm_token_type_ids(input_ids, image_id, video_id, dtype=markers.dtype)
+    prompt_columns = input_ids.size(1) - int(bound.arguments.get("logits_to_keep") or 0)
+    realigned = realign_prompt_markers(input_ids, markers, prompt_columns, image_id, video_id)
     metrics.count(instance, metrics.REALIGNED_ROWS, changed_rows(markers, realigned))
     bound.arguments["mm_token_type_ids"] = realigned
     grid = bound.arguments.get("image_grid_thw")
@@ -140,7 +184,7 @@ def _targets() -> tuple[Target, ...]:
 
 FIX = Fix(
     name="mm_realign",
-    summary="rebuild mm_token_type_ids from the input_ids the model sees (mixed image batches)",
+    summary="rebuild mm_token_type_ids from the input_ids the model sees (Qwen3.5, Qwen3-VL, Qwen2.5-VL)",
     packages=("trl",),
     targets=_targets(),
 )

@@ -3,16 +3,22 @@
 TRL 1.9.1's colocate + sleep-mode ``generate`` calls ``collective_rpc("reload_weights")`` after waking the engine (a
 workaround for vLLM issue 29341). That reload reads the *original* checkpoint from disk, overwriting the weights that
 ``sync_weights`` has just pushed: every rollout after step 0 comes from the base model (TRL issue 5312). Skipping it
-alone is not enough, since level-2 sleep discards the weights after every generate. So this fix tracks, per engine,
-whether its weights were discarded (or the trainer's weights changed) since the last push, re-pushes them through
-TRL's own ``sync_weights`` exactly then, and drops the disk reload.
+alone is not enough, since level-2 sleep discards the weights after every generate. So this fix:
+
+- drops the disk reload;
+- keeps the engine awake between the turns of one rollout (the trainer's ``_generate``: a multi-turn tool loop or a
+  ``rollout_func`` calls ``generate`` once per turn, a number each rank decides alone): TRL's level-2 sleep is deferred
+  to the end of the rollout, so later turns need neither a push nor a reload;
+- re-pushes the trained weights through TRL's own ``sync_weights`` before a generate whose engine lost them.
+
+No collective operation is added. Every push decision is taken from events every rank sees alike (the engine's
+weights were discarded by a level-2 sleep), except the ``parameters_fingerprint`` check, which is used only where a
+push is rank-local (no ZeRO-3, no FSDP), so it can never make one rank enter a collective gather alone.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,11 +29,11 @@ import wrapt
 
 from .. import metrics
 from ..registry import Fix, Target
+from ..source_shape import calls_method, function_tree
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
 _MODULE = "trl.generation.vllm_generation"
-_RELOAD_CALL = 'collective_rpc("reload_weights")'
 
 
 @dataclass
@@ -35,9 +41,11 @@ class EngineWeights:
     """What one colocated engine holds: ``discarded`` after level-2 sleep, else the push it last received."""
 
     discarded: bool = True  # TRL puts a fresh engine to sleep at level 2 before anything is pushed
-    pushed_fingerprint: int | None = None
+    pushed_fingerprint: tuple[int, ...] | None = None
     repushes: int = 0
     reloads_skipped: int = 0
+    rollout_depth: int = 0  # > 0 while the trainer's _generate runs: sleeps between turns are deferred
+    deferred_sleep: int | None = None  # the sleep level TRL asked for inside the rollout, done when it ends
 
 
 _engines: weakref.WeakKeyDictionary[Any, EngineWeights] = weakref.WeakKeyDictionary()
@@ -56,30 +64,39 @@ def _colocated_with_sleep(generation: Any) -> bool:
     return getattr(generation, "mode", None) == "colocate" and bool(getattr(generation, "enable_sleep_mode", False))
 
 
-def parameters_fingerprint(model: Any) -> int:
-    """Sum of the parameters' in-place version counters: changes whenever an optimizer step updates them."""
-    total = 0
+def parameters_fingerprint(model: Any) -> tuple[int, ...]:
+    """(sum of in-place version counters, hash of parameter identities and storages) of the trainer's model.
+
+    Seen: in-place updates through the parameter itself (``optimizer.step()``, ``p.add_``, ``p.copy_``, also on a
+    view of it), a ZeRO-3 shard updated in place (``ds_tensor``), a parameter replaced by another object, and
+    ``p.data = other`` (its storage changes). Not seen: writes through ``p.data`` or through another alias of the same
+    storage, such as the flat buffers of DeepSpeed ZeRO-1/2 (their version counters are not the parameter's). In TRL's
+    own flows this check never decides a push: with sleep mode every rollout ends in a level-2 sleep, after which the
+    engine re-receives the weights anyway; it only catches a generate after an optimizer step with no rollout between.
+    """
+    versions = 0
+    identities = []
     for parameter in model.parameters():
-        total += parameter._version
+        versions += parameter._version
+        identities.append((id(parameter), parameter.data_ptr()))
         shard = getattr(parameter, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps the real values in a shard
         if shard is not None:
-            total += shard._version
-    return total
+            versions += shard._version
+    return versions, hash(tuple(identities))
 
 
-def _agree_across_ranks(generation: Any, needed: bool) -> bool:
-    """Every rank must take the same decision: under ZeRO-3 / FSDP a push gathers parameters collectively."""
-    accelerator = getattr(generation, "accelerator", None)
-    if accelerator is None or getattr(accelerator, "num_processes", 1) <= 1:
-        return needed
-    import torch
-
-    flag = torch.tensor([1 if needed else 0], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="max").item())
+def push_is_collective(generation: Any) -> bool:
+    """Under ZeRO-3 or FSDP ``sync_weights`` gathers parameters collectively: every rank must push together."""
+    dist = getattr(generation, "_dist", None)
+    if dist is not None:
+        return bool(getattr(dist, "is_zero3", False) or getattr(dist, "is_fsdp", False))
+    state = getattr(getattr(generation, "accelerator", None), "state", None)
+    plugin = getattr(state, "deepspeed_plugin", None)
+    return getattr(plugin, "zero_stage", 0) == 3 or str(getattr(state, "distributed_type", "")).endswith("FSDP")
 
 
 class _EngineWithoutDiskReload(wrapt.ObjectProxy):  # type: ignore[misc]
-    """The engine as TRL's ``generate`` sees it under this fix: no disk reload, level-2 sleeps recorded."""
+    """The engine as TRL's ``generate`` sees it: no disk reload; sleeps deferred inside a rollout, recorded outside."""
 
     def __init__(self, engine: Any, state: EngineWeights, generation: Any) -> None:
         super().__init__(engine)
@@ -95,10 +112,19 @@ class _EngineWithoutDiskReload(wrapt.ObjectProxy):  # type: ignore[misc]
 
     def sleep(self, *args: Any, **kwargs: Any) -> Any:
         level = args[0] if args else kwargs.get("level", 1)
+        state = self._self_state
+        if state.rollout_depth > 0:  # more turns of this rollout may follow: stay awake, keep the weights
+            state.deferred_sleep = max(level, state.deferred_sleep or 0)
+            return None
         result = self.__wrapped__.sleep(*args, **kwargs)
         if level >= 2:
-            self._self_state.discarded = True
+            state.discarded = True
         return result
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> Any:
+        if self._self_state.deferred_sleep is not None:  # its sleep was deferred: it is awake already
+            return None
+        return self.__wrapped__.wake_up(*args, **kwargs)
 
 
 @contextmanager
@@ -113,12 +139,37 @@ def _engine_without_disk_reload(generation: Any, state: EngineWeights) -> Iterat
             generation.llm = engine
 
 
+@contextmanager
+def rollout_scope(generation: Any) -> Iterator[None]:
+    """One rollout (all turns of a tool loop): TRL's closing sleep is deferred to its end, done once, for real.
+
+    Only colocate + sleep mode has such a sleep; for anything else this is a no-op.
+    """
+    if not _colocated_with_sleep(generation):
+        yield
+        return
+    state = engine_weights(generation)
+    state.rollout_depth += 1
+    try:
+        yield
+    finally:
+        state.rollout_depth -= 1
+        if state.rollout_depth == 0 and state.deferred_sleep is not None:
+            level, state.deferred_sleep = state.deferred_sleep, None
+            state.discarded = state.discarded or level >= 2
+            generation.llm.sleep(level=level)
+
+
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not _colocated_with_sleep(instance):
         return wrapped(*args, **kwargs)
     state = engine_weights(instance)
-    stale = not state.discarded and state.pushed_fingerprint != parameters_fingerprint(instance.model)
-    if _agree_across_ranks(instance, state.discarded or stale):
+    stale = (
+        not state.discarded
+        and not push_is_collective(instance)
+        and state.pushed_fingerprint != parameters_fingerprint(instance.model)
+    )
+    if state.discarded or stale:
         LOGGER.debug(
             "trl_vlm_fixes.reload_skip: re-pushing trained weights before generate (%s)",
             "discarded by level-2 sleep" if state.discarded else "the trainer's weights changed since the last push",
@@ -129,9 +180,9 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     try:
         with _engine_without_disk_reload(instance, state):
             return wrapped(*args, **kwargs)
-    finally:
-        # TRL's generate ends with sleep(level=2); if it failed half-way the weights are unknown: re-push next time.
-        state.discarded = True
+    except BaseException:
+        state.discarded = True  # it failed half-way: what the engine holds is unknown, push again next time
+        raise
 
 
 def sync_weights_wrapper(
@@ -145,31 +196,47 @@ def sync_weights_wrapper(
     return result
 
 
-def _generate_source(function: Callable[..., Any]) -> str | None:
-    module = sys.modules.get(getattr(function, "__module__", ""), None)
+def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The trainer's ``_generate``: every ``generate`` it makes (one per tool-loop turn) belongs to one rollout."""
+    generation = getattr(instance, "vllm_generation", None)
+    if generation is None:
+        return wrapped(*args, **kwargs)
+    with rollout_scope(generation):
+        return wrapped(*args, **kwargs)
+
+
+def _generate_tree(function: Callable[..., Any]) -> Any:
+    """The AST of ``VLLMGeneration.generate``: from the target's own module where it defines it, else TRL's."""
+    import importlib
+    import sys
+
+    module = sys.modules.get(getattr(function, "__module__", "") or "")
     generation_class = getattr(module, "VLLMGeneration", None)
-    try:
-        return inspect.getsource(generation_class.generate if generation_class else function)
-    except (OSError, TypeError):
-        return None
+    if generation_class is None:
+        generation_class = getattr(importlib.import_module(_MODULE), "VLLMGeneration", None)
+    return function_tree(generation_class.generate) if generation_class is not None else None
 
 
 def _upstream_repushes(function: Callable[..., Any]) -> str | None:
-    source = _generate_source(function)
-    if source is None or _RELOAD_CALL in source:
+    tree = _generate_tree(function)
+    if tree is None or calls_method(tree, "collective_rpc", "reload_weights"):
         return None
-    if "sync_weights()" in source:
+    if calls_method(tree, "sync_weights"):
         return "this TRL re-pushes discarded weights itself and no longer reloads from disk (TRL >= 1.16)"
     return None
 
 
 def _reload_shape(function: Callable[..., Any]) -> str | None:
-    source = _generate_source(function)
-    if source is None:
+    tree = _generate_tree(function)
+    if tree is None:
         return "source unavailable, cannot confirm the reload workaround"
-    if _RELOAD_CALL in source or "sync_weights()" in source:
+    if calls_method(tree, "collective_rpc", "reload_weights") or calls_method(tree, "sync_weights"):
         return None
     return "VLLMGeneration.generate neither reloads from disk nor re-pushes: unknown sleep-mode handling"
+
+
+def _target(module: str, qualname: str, wrapper: Callable[..., Any]) -> Target:
+    return Target(module, qualname, wrapper, shape_problem=_reload_shape, upstream_fixed=_upstream_repushes)
 
 
 FIX = Fix(
@@ -177,19 +244,9 @@ FIX = Fix(
     summary="no disk reload in colocate + sleep mode; re-push trained weights whenever sleep discarded them",
     packages=("trl", "vllm"),
     targets=(
-        Target(
-            module=_MODULE,
-            qualname="VLLMGeneration.generate",
-            wrapper=generate_wrapper,
-            shape_problem=_reload_shape,
-            upstream_fixed=_upstream_repushes,
-        ),
-        Target(
-            module=_MODULE,
-            qualname="VLLMGeneration.sync_weights",
-            wrapper=sync_weights_wrapper,
-            shape_problem=_reload_shape,
-            upstream_fixed=_upstream_repushes,
-        ),
+        _target(_MODULE, "VLLMGeneration.generate", generate_wrapper),
+        _target(_MODULE, "VLLMGeneration.sync_weights", sync_weights_wrapper),
+        _target("trl.trainer.grpo_trainer", "GRPOTrainer._generate", rollout_wrapper),
+        _target("trl.trainer.rloo_trainer", "RLOOTrainer._generate", rollout_wrapper),
     ),
 )

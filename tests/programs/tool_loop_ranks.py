@@ -1,0 +1,153 @@
+"""A real GRPOTrainer(tools=[...]) under torchrun (gloo, CPU) where the ranks take different numbers of tool turns.
+
+By default rank 0's completions call the tool twice per rollout (3 generates), rank 1's never (1 generate). The
+colocated engine is the behavioural stand-in (colocate + sleep mode). Each rank writes rank{N}.json: how many rollouts
+ran on the trainer's current weights, and which collective operations the plugin itself issued.
+
+usage: tool_loop_ranks.py MODEL_DIR OUTPUT_DIR [TURNS_RANK0,TURNS_RANK1]   (default 2,0; switches from the environment)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import trl_vlm_fixes
+
+PLUGIN_DIR = os.path.dirname(trl_vlm_fixes.__file__)
+LIBRARY_PARTS = ("/torch/", "/accelerate/", "/wrapt/", "/contextlib.py", "/functools.py")
+plugin_collectives: list[str] = []
+
+
+def count_plugin_collectives() -> None:
+    """Wrap torch.distributed's collectives: record those whose first caller outside torch/accelerate is the plugin."""
+    import torch.distributed as dist
+
+    def watch(name: str) -> None:
+        original = getattr(dist, name)
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            for frame in traceback.extract_stack()[-2::-1]:
+                if any(part in frame.filename for part in LIBRARY_PARTS):
+                    continue
+                if frame.filename.startswith(PLUGIN_DIR):
+                    plugin_collectives.append(f"{name} from {frame.filename}:{frame.lineno}")
+                break
+            return original(*args, **kwargs)
+
+        setattr(dist, name, watched)
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "gather", "barrier",
+                 "all_gather_object", "broadcast_object_list", "reduce_scatter", "all_to_all"):
+        watch(name)
+
+
+def echo(text: str) -> str:
+    """Echo the text back.
+
+    Args:
+        text: the text to echo
+    """
+    return text
+
+
+def main() -> int:
+    model_dir, output_dir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    tool_turns = int((sys.argv[3] if len(sys.argv) > 3 else "2,0").split(",")[rank])
+    count_plugin_collectives()
+    from datasets import Dataset
+    from transformers import AutoProcessor
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_5_nothink_chat_template
+    from trl.generation import vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM, engine_weights_match, trainer_weights
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    processor.chat_template = processor.tokenizer.chat_template = qwen3_5_nothink_chat_template
+    tokenizer = processor.tokenizer
+    tool_call = tokenizer(
+        "<tool_call>\n<function=echo>\n<parameter=text>\nhi\n</parameter>\n</function>\n</tool_call><|im_end|>",
+        add_special_tokens=False,
+    )["input_ids"]
+    # the two copies of a prompt answer differently, so GRPO's advantages are non-zero and the weights move
+    texts = ("ok<|im_end|>", "done, done<|im_end|>")
+    answers = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    holder: dict[str, Any] = {}
+    rollouts: list[bool] = []
+    turns_seen: list[int] = []
+
+    class ScriptedEngine(StandInLLM):
+        """Call the tool until this rank's number of tool responses is in the prompt, then answer."""
+
+        def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+            outputs = super().generate(prompts, sampling_params, **kwargs)
+            rollouts.append(engine_weights_match(self.rollouts[-1], trainer_weights(holder["trainer"].model)))
+            for row, output in enumerate(outputs):
+                turns = tokenizer.decode(output.prompt_token_ids).count("<tool_response>")
+                turns_seen.append(turns)
+                tokens = tool_call if turns < tool_turns else answers[row % 2]
+                for completion in output.outputs:
+                    completion.token_ids = list(tokens)
+                    if completion.logprobs is not None:
+                        completion.logprobs = [{t: type(completion.logprobs[0][next(iter(completion.logprobs[0]))])(
+                            self.sampling_logprob)} for t in tokens]
+            return outputs
+
+    vllm_generation.LLM = ScriptedEngine
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {word}"}] for word in "abcd"]})
+    config = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=400,
+        max_steps=2,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        ddp_find_unused_parameters=True,  # text-only prompts: the vision tower gets no gradient
+    )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=lambda completions, **_: [float(len(str(c))) for c in completions],
+        args=config,
+        train_dataset=dataset,
+        processing_class=processor,
+        tools=[echo],
+    )
+    holder["trainer"] = trainer
+    trainer.train()
+    engine = trainer.vllm_generation.llm
+    record = json.dumps({
+        "rank": rank,
+        "steps": trainer.state.global_step,
+        "generates": len(rollouts),
+        "on_current_weights": sum(rollouts),
+        "disk_reloads": engine.disk_reloads,
+        "full_pushes": engine.tensor_pushes / sum(1 for _ in trainer.model.parameters()),
+        "plugin_collectives": plugin_collectives,
+        "tool_turns": turns_seen,
+    })
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:
+        handle.write(record)
+    trainer.accelerator.wait_for_everyone()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

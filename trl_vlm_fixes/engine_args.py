@@ -1,0 +1,179 @@
+"""One way for fixes to add arguments to the vLLM engine TRL builds: at TRL's own ``LLM(...)`` call.
+
+Several fixes (``cudagraph``, ``gdn_prefill``) wrap the same TRL method that builds the engine. Each wrapper adds its
+contribution to a per-call list held in a ``ContextVar``; the wrapper closest to TRL's function runs it once with a
+private copy of its module namespace in which ``LLM`` is a factory that applies every contribution. Nothing global is
+rebound, so two engines built at once (threads, tasks) never see each other's factory, and ``revert()`` leaves nothing
+behind. After the call, a fix whose contribution never reached ``LLM(...)`` while an engine was built says so: its
+status is not left at ``applied``.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from .registry import Target, report_runtime_state
+from .source_shape import calls_name, function_tree
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+
+@dataclass
+class EngineBuild:
+    """One ``LLM(...)`` call as the contributions see it: the caller, the served model's config and what changed."""
+
+    caller: str
+    model_config: Any
+    changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
+    notes: list[str] = field(default_factory=list)  # why a fix left this engine alone
+    reached: set[str] = field(default_factory=set)  # fixes whose contribution ran
+
+
+# A contribution edits the engine keyword arguments in place and records what it did on the build.
+Contribution = Callable[[dict[str, Any], EngineBuild], None]
+
+_pending: ContextVar[list[tuple[str, Contribution]] | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
+def served_model_config(instance: Any, kwargs: dict[str, Any]) -> Any:
+    """The config of the model the engine will serve: the trainer's model if it has one, else read from disk."""
+    model = getattr(instance, "model", None)
+    config = getattr(model, "config", None)
+    if config is not None:
+        return config
+    path = kwargs.get("model")
+    if not path:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - an unreadable config is reported by the fixes, never a crash here
+        LOGGER.debug("trl_vlm_fixes: cannot read the config of %s: %r", path, error)
+        return None
+
+
+class _EngineFactory:
+    """Stands in for ``LLM`` inside one call of TRL's engine builder: applies the contributions, builds the engine."""
+
+    def __init__(self, engine_class: Any, instance: Any, caller: str, contributions: list[tuple[str, Contribution]]):
+        self.engine_class = engine_class
+        self.instance = instance
+        self.caller = caller
+        self.contributions = contributions
+        self.builds: list[EngineBuild] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        build = EngineBuild(self.caller, served_model_config(self.instance, kwargs))
+        for name, contribute in self.contributions:
+            contribute(kwargs, build)
+            build.reached.add(name)
+        self.builds.append(build)
+        if _is_main_process(self.instance) and (build.changes or build.notes):
+            LOGGER.warning(
+                "trl_vlm_fixes: %s builds the colocated vLLM engine with %s",
+                self.caller,
+                "; ".join(build.changes + build.notes) + ".",
+            )
+        return self.engine_class(*args, **kwargs)
+
+
+def _is_main_process(instance: Any) -> bool:
+    """Rank 0 logs what the engine gets (every rank builds one); without an accelerator, every process does."""
+    accelerator = getattr(instance, "accelerator", None)
+    return bool(getattr(accelerator, "is_main_process", True))
+
+
+def _is_plain_method(wrapped: Any) -> bool:
+    # type() and not isinstance(): wrapt's proxies pretend to be the class of what they wrap
+    return type(wrapped) is types.MethodType and type(wrapped.__func__) is types.FunctionType
+
+
+def _call_with_factory(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any], factory_for: Callable) -> Any:
+    function = wrapped.__func__
+    namespace = dict(function.__globals__)
+    engine_class = namespace.get("LLM")
+    if engine_class is None:  # vLLM absent: TRL raises its own ImportError
+        return wrapped(*args, **kwargs)
+    factory = factory_for(engine_class)
+    namespace["LLM"] = factory
+    private = types.FunctionType(
+        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+    )
+    private.__kwdefaults__ = function.__kwdefaults__
+    return private(wrapped.__self__, *args, **kwargs)
+
+
+def engine_builder_wrapper(fix_name: str, target_key: str, caller: str, contribute: Contribution) -> Callable:
+    """The wrapt wrapper one fix puts on a TRL method that calls ``LLM(...)``."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        contributions = _pending.get()
+        token = None
+        if contributions is None:
+            contributions = []
+            token = _pending.set(contributions)
+        contributions.append((fix_name, contribute))
+        factories: list[_EngineFactory] = []
+        try:
+            if _is_plain_method(wrapped):
+
+                def factory_for(engine_class: Any) -> _EngineFactory:
+                    factory = _EngineFactory(engine_class, instance, caller, contributions)
+                    factories.append(factory)
+                    return factory
+
+                result = _call_with_factory(wrapped, args, kwargs, factory_for)
+            else:  # another fix's wrapper sits below ours: it runs the builder with every contribution
+                result = wrapped(*args, **kwargs)
+        finally:
+            if token is not None:
+                _pending.reset(token)
+        if _is_plain_method(wrapped) and getattr(instance, "llm", None) is not None:
+            reached = {name for factory in factories for build in factory.builds for name in build.reached}
+            for name, _ in contributions:
+                if name not in reached:
+                    _report_missed(name, target_key, caller)
+        return result
+
+    return wrapper
+
+
+def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
+    detail = (
+        f"{caller} built an engine without going through LLM(...) in the wrapped method: nothing was injected. "
+        "Upgrade trl_vlm_fixes or pin trl==1.9.1."
+    )
+    LOGGER.warning("trl_vlm_fixes.%s: %s", fix_name, detail)
+    report_runtime_state(fix_name, target_key, "skipped", detail)
+
+
+def _builds_engine(function: Callable[..., Any]) -> str | None:
+    tree = function_tree(function)
+    if tree is None:
+        return "source unavailable, cannot confirm that it builds vllm.LLM"
+    return None if calls_name(tree, "LLM") else "no longer builds the engine with LLM(...)"
+
+
+# TRL's methods that build a colocated engine with ``LLM(...)``: (module, Class.method, caller, optional)
+ENGINE_BUILDERS = (
+    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm", "VLLMGeneration", False),
+    ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer.__init__", "OnlineDPOTrainer", True),
+)
+
+
+def engine_builder_targets(fix_name: str, contribute: Contribution) -> tuple[Target, ...]:
+    """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine."""
+    return tuple(
+        Target(
+            module=module,
+            qualname=qualname,
+            wrapper=engine_builder_wrapper(fix_name, f"{module}:{qualname}", caller, contribute),
+            shape_problem=_builds_engine,
+            optional=optional,
+        )
+        for module, qualname, caller, optional in ENGINE_BUILDERS
+    )
