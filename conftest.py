@@ -42,6 +42,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("tiny-qwen35-vlm"))
 
 
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Tiny random checkpoints of the other Qwen VLM families (qwen3_vl, qwen2_5_vl), built once per session."""
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_qwen35_vlm(tmp_path_factory.mktemp(f"tiny-{family}"), family=family)
+        return built[family]
+
+    return build
+
+
 @pytest.fixture
 def processor(tiny_model_dir: Path) -> Any:
     from transformers import AutoProcessor

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -345,3 +347,135 @@ def test_cli_table_and_strict_exit_code() -> None:
         + "sys.argv = ['trl_vlm_fixes', '--strict']\nrunpy.run_module('trl_vlm_fixes', run_name='__main__')"
     )
     assert skipped.returncode == 1 and "skipped" in skipped.stdout
+
+
+def test_metric_counters_stay_bounded_and_exact() -> None:
+    """Counting sums as it goes: one value per counter however many steps pass before (or without) a log."""
+    import torch
+
+    from trl_vlm_fixes import metrics
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    for step in range(10_000):
+        metrics.count(owner, metrics.REALIGNED_ROWS, torch.tensor(step % 3))
+        metrics.count(owner, metrics.WEIGHT_REPUSHES, 1)
+    stored = metrics._counters[owner]
+    assert set(stored) == {metrics.REALIGNED_ROWS, metrics.WEIGHT_REPUSHES}
+    assert all(not isinstance(value, list) and getattr(value, "ndim", 0) == 0 for value in stored.values())
+    assert metrics.drain(owner) == {metrics.REALIGNED_ROWS: float(sum(s % 3 for s in range(10_000))),
+                                    metrics.WEIGHT_REPUSHES: 10_000.0}
+    assert metrics.drain(owner) == {}
+
+
+def test_selftest_without_trl_names_what_to_install() -> None:
+    result = run_python(
+        """
+        sys.modules["trl"] = None
+        sys.modules["torch"] = None
+        from trl_vlm_fixes.__main__ import main
+        sys.exit(main(["selftest"]))
+        """
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and len([line for line in lines if "selftest" in line]) == 1
+    assert "torch, trl not installed" in result.stderr and "pip install torch trl" in result.stderr
+
+
+def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touched(
+    make_generation: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads inside TRL's LLM(...) at the same moment: the module's LLM is never rebound, both get the mode."""
+    import threading
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM
+
+    both_inside = threading.Barrier(2, timeout=60)
+    globals_seen: list[Any] = []
+
+    class SlowEngine(StandInLLM):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            globals_seen.append(vllm_generation.__dict__.get("LLM"))
+            both_inside.wait()  # both constructions are in flight now
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_generation, "LLM", SlowEngine, raising=False)
+    engines: list[Any] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            engines.append(make_generation(engine_class=SlowEngine).llm)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert len(engines) == 2 and all(e.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"} for e in engines)
+    assert globals_seen == [SlowEngine, SlowEngine]  # nobody swapped the module global, not even for a moment
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
+    assert vllm_generation.__dict__.get("LLM") is SlowEngine
+
+
+def test_status_says_skipped_when_nothing_reached_the_engine_constructor(
+    tiny_model_dir: Any, processor: Any
+) -> None:
+    """An engine built without TRL's LLM(...) call (a drifted TRL): the fix must not keep saying `applied`."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM
+    from trl_vlm_fixes.rollout_schedule import build_generation
+
+    innermost = vars(vllm_generation.VLLMGeneration)["_init_vllm"]
+    while not isinstance(innermost.__wrapped__, types.FunctionType):  # below every fix's wrapper
+        innermost = innermost.__wrapped__
+    original = innermost.__wrapped__
+
+    def drifted_init(self: Any) -> None:  # builds the engine under another name
+        self.llm = StandInLLM(self.model.name_or_path)
+
+    try:
+        innermost.__wrapped__ = drifted_init
+        assert trl_vlm_fixes.status()["patches"]["cudagraph"]["state"] == "applied"
+        build_generation(tiny_model_dir, processor)
+    finally:
+        innermost.__wrapped__ = original
+    patch = trl_vlm_fixes.status()["patches"]["cudagraph"]
+    assert patch["state"] == "skipped" and "nothing was injected" in patch["detail"]
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
+    assert trl_vlm_fixes.status()["patches"]["cudagraph"]["state"] == "applied"
+
+
+def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
+    import importlib.util
+
+    from trl_vlm_fixes.engine_args import _builds_engine
+
+    source = (
+        "import vllm\nLLM = None\nclass A:\n    def spaced(self):\n        self.llm = LLM (\n            model='m')\n"
+        "    def text_only(self):\n        return 'LLM(model)'\n    def attribute(self):\n        self.llm = vllm.LLM()\n"
+    )
+    path = tmp_path / "drifted_builders.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("drifted_builders", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        assert _builds_engine(module.A.spaced) is None
+        assert "no longer builds" in (_builds_engine(module.A.text_only) or "")
+        assert "no longer builds" in (_builds_engine(module.A.attribute) or "")  # we could not inject there
+    finally:
+        del sys.modules[spec.name]

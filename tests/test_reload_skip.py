@@ -233,10 +233,21 @@ def test_stand_in_matches_the_real_vllm_signatures() -> None:
             assert parameter.kind == real[name].kind, (method, name)
             if real[name].default is not inspect.Parameter.empty:
                 assert parameter.default == real[name].default, (method, name)
-    init = inspect.signature(vllm.LLM.__init__).parameters
-    assert ("model" in init and "enable_sleep_mode" in inspect.signature(vllm.LLM.__init__).parameters) or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()
-    )
+
+
+
+def test_engine_arguments_are_ones_the_real_vllm_knows(make_generation: Callable[..., Any]) -> None:
+    """Every argument TRL and the plugin pass to LLM(...) (captured by the stand-in) is a named parameter of the
+    real ``LLM.__init__`` or a field of vLLM's ``EngineArgs``: ``**kwargs`` would accept a typo, this does not."""
+    import dataclasses
+
+    vllm = pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = set(inspect.signature(vllm.LLM.__init__).parameters) | {f.name for f in dataclasses.fields(EngineArgs)}
+    passed = set(make_generation().llm.init_kwargs)
+    assert {"model", "enable_sleep_mode", "compilation_config"} <= passed
+    assert passed <= known, passed - known
 
 
 # --- several ranks, multi-turn tool loops: no collective of the plugin's, every turn on current weights ------

@@ -60,3 +60,13 @@ def test_selftest_fails_when_an_enabled_fix_does_not_work(
     output = capsys.readouterr().out
     assert "mm_realign   bug present: yes  fix works: no" in output and "FAIL: mm_realign" in output
     assert trl_vlm_fixes.status()["patches"]["mm_realign"]["state"] == "applied"
+
+
+def test_selftest_reads_the_engine_mode_through_vllms_own_config() -> None:
+    """The cudagraph verdict comes from what vLLM's CompilationConfig makes of the engine's arguments."""
+    pytest.importorskip("vllm")
+    from trl_vlm_fixes.selftest import engine_cudagraph_mode
+
+    assert engine_cudagraph_mode(None) == "vLLM default (graphs on)"
+    assert engine_cudagraph_mode({"cudagraph_mode": "NONE"}) == "NONE"
+    assert engine_cudagraph_mode({"cudagraph_mode": "piecewise", "mode": 3}) == "PIECEWISE"

@@ -238,7 +238,7 @@ class Registry:
         elif problem:
             self._skip(fix, target, problem)
             return
-        elif reason := target.upstream_fixed(original):
+        elif reason := target.upstream_fixed(original):  # type: ignore[arg-type]  # checked: a callable
             self._set(fix, target, "not-needed", f"{target.qualname}: {reason}")
             LOGGER.info("trl_vlm_fixes: %s steps aside for %s: %s", fix.name, target.qualname, reason)
             return

@@ -69,9 +69,10 @@ def resolve_vision_ids(trainer: Any, model: Any) -> tuple[int | None, int | None
     The processor's own ``image_token_id`` / ``video_token_id`` are authoritative; then TRL's guess (the trainer's
     ``_image_pad_token_id``), the tokenizer's Qwen tokens, the model config. Only a successful resolution is cached.
     """
-    cached = _pad_ids_cache.get(trainer)
-    if cached is not None:
-        return cached
+    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is never cached
+        cached = _pad_ids_cache.get(trainer)
+        if cached is not None:
+            return cached
     processor = getattr(trainer, "processing_class", None)
     tokenizer = getattr(processor, "tokenizer", processor)
     config = getattr(_unwrap_model(model), "config", None)
