@@ -35,7 +35,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_vlm_fixes.demo import MIXED_SAMPLES, length_reward, mixed_dataset
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm, special_token_ids
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
 
     state = PartialState(cpu=not torch.cuda.is_available())
     # One folder for all ranks: the main process builds the tiny model, the others wait and read it.
@@ -73,7 +73,6 @@ def main() -> int:
         use_vllm=args.use_vllm,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=args.use_vllm,
-        generation_kwargs=None if args.use_vllm else {"suppress_tokens": special_token_ids(processor.tokenizer)},
     )
     peft_config = None
     if args.lora:

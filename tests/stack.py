@@ -16,3 +16,13 @@ def upstream_reloads_from_disk() -> bool:
 
 def expected_reload_skip_state() -> str:
     return "applied" if upstream_reloads_from_disk() else "not-needed"
+
+
+def expected_states() -> dict[str, str]:
+    """Every fix's state once TRL is imported, with default switches, on this TRL."""
+    return {
+        "mm_realign": "applied",
+        "reload_skip": expected_reload_skip_state(),
+        "cudagraph": "applied",
+        "vision_token_guard": "applied",
+    }

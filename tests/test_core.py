@@ -9,7 +9,7 @@ import types
 from typing import Any
 
 import pytest
-from stack import expected_reload_skip_state, upstream_reloads_from_disk
+from stack import expected_reload_skip_state, expected_states, upstream_reloads_from_disk
 from subprocess_helpers import last_json, run_python
 
 import trl_vlm_fixes
@@ -52,7 +52,7 @@ def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
         "rloo": 1,
         "generate": int(upstream_reloads_from_disk()),
         "init_vllm": 1,
-        "states": {"mm_realign": "applied", "reload_skip": expected_reload_skip_state(), "cudagraph": "applied"},
+        "states": expected_states(),
     }
 
 
@@ -126,11 +126,11 @@ def test_revert_restores_the_exact_objects_then_apply_again() -> None:
     after = _class_dicts()
     assert [set(d) for d in after] == [set(d) for d in dicts]  # nothing left behind on any class
     assert {k: v["state"] for k, v in trl_vlm_fixes.status()["patches"].items()} == dict.fromkeys(
-        ("mm_realign", "reload_skip", "cudagraph"), "disabled"
+        expected_states(), "disabled"
     )
     trl_vlm_fixes.apply()
     states = {n: p["state"] for n, p in trl_vlm_fixes.status()["patches"].items()}
-    assert states == {"mm_realign": "applied", "reload_skip": expected_reload_skip_state(), "cudagraph": "applied"}
+    assert states == expected_states()
 
 
 def test_subclass_inherits_the_fix() -> None:
@@ -150,7 +150,7 @@ def test_subclass_inherits_the_fix() -> None:
 
 def test_all_off_switch_at_import() -> None:
     report = last_json(run_python(PROBE, env={"TRL_VLM_FIXES": "0"}))
-    assert report["states"] == dict.fromkeys(("mm_realign", "reload_skip", "cudagraph"), "disabled")
+    assert report["states"] == dict.fromkeys(expected_states(), "disabled")
     assert (report["grpo"], report["rloo"], report["generate"], report["init_vllm"]) == (0, 0, 0, 0)
 
 
@@ -225,21 +225,14 @@ def test_version_guard_warns_once_per_fix_and_still_applies() -> None:
     result = run_python(FAKE_VERSIONS + PROBE)
     report = last_json(result)
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING") and "validated" in line]
-    assert len(warnings) == 3
-    for fix, switch in (
-        ("mm_realign", "TRL_VLM_FIXES_MM_REALIGN"),
-        ("reload_skip", "TRL_VLM_FIXES_RELOAD_SKIP"),
-        ("cudagraph", "TRL_VLM_FIXES_CUDAGRAPH"),
-    ):
+    assert len(warnings) == len(expected_states())
+    for fix in expected_states():
+        switch = f"TRL_VLM_FIXES_{fix.upper()}"
         line = next(w for w in warnings if f"fix {fix} " in w)
         assert "trl 1.10.0 (validated: 1.9.1)" in line and switch + "=0" in line
     assert "vllm 0.26.0+cu130 (validated: 0.25.1)" in next(w for w in warnings if "fix cudagraph " in w)
     # the structural check decides, and the shape is right
-    assert report["states"] == {
-        "mm_realign": "applied",
-        "reload_skip": expected_reload_skip_state(),
-        "cudagraph": "applied",
-    }
+    assert report["states"] == expected_states()
 
 
 def test_local_version_tags_count_as_validated() -> None:

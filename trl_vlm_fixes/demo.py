@@ -55,8 +55,6 @@ def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "
     """A real GRPOTrainer or RLOOTrainer on the tiny model: CPU, float32, no reporting, mixed dataset by default."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from .tiny_model import special_token_ids
-
     classes: tuple[Any, Any] = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     config_class, trainer_class = classes
     dataset = overrides.pop("dataset", None)
@@ -72,8 +70,6 @@ def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "
         "bf16": False,
         "save_strategy": "no",
         "seed": 0,
-        # a random model must never sample a vision pad token (it would break any VLM forward)
-        "generation_kwargs": {"suppress_tokens": special_token_ids(processor.tokenizer)},
         **overrides,
     }
     return trainer_class(

@@ -63,7 +63,13 @@ class _WeightLoader:
 
 
 class StandInLLM:
-    """Colocated engine: sleep levels, reload from disk, pushed weights, and a record of each rollout's weights."""
+    """Colocated engine: sleep levels, reload from disk, pushed weights, and a record of each rollout's weights.
+
+    ``favourite_token_ids``: tokens this engine samples second in every completion unless the request bans them, as a
+    policy that loves its vision placeholders does; ``bad_words`` are honoured as vLLM does for single tokens.
+    """
+
+    favourite_token_ids: tuple[int, ...] = ()
 
     def __init__(self, model: str, *, enable_sleep_mode: bool = False, **kwargs: Any) -> None:
         self.init_kwargs: dict[str, Any] = {"model": model, "enable_sleep_mode": enable_sleep_mode, **kwargs}
@@ -127,6 +133,8 @@ class StandInLLM:
         if not (self.weights_awake and self.kv_cache_awake):
             raise RuntimeError("generate() on a sleeping engine")
         self.rollouts.append({name: tensor.clone() for name, tensor in self.weights.items()})
+        banned = self.banned_token_ids(sampling_params)
+        favourites = [t for t in self.favourite_token_ids if t not in banned]
         n = getattr(sampling_params, "n", 1) or 1
         max_tokens = getattr(sampling_params, "max_tokens", 4) or 4
         want_logprobs = getattr(sampling_params, "logprobs", None) is not None
@@ -138,10 +146,24 @@ class StandInLLM:
                 # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
                 length = max(1, max_tokens - (row + k) % 3)
                 tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(length)]
+                if favourites:
+                    tokens[min(1, length - 1)] = favourites[(row + k) % len(favourites)]
                 logprobs = [{t: Logprob(self.sampling_logprob)} for t in tokens] if want_logprobs else None
                 completions.append(CompletionOutput(tokens, logprobs))
             outputs.append(RequestOutput(ids, completions))
         return outputs
+
+
+    def banned_token_ids(self, sampling_params: Any) -> set[int]:
+        """vLLM's bad_words semantics for single tokens: a word that encodes to one token is never sampled."""
+        words = getattr(sampling_params, "bad_words", None) or []
+        if not words:
+            return set()
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.init_kwargs["model"])
+        encoded = [tokenizer.encode(word, add_special_tokens=False) for word in words]
+        return {ids[0] for ids in encoded if len(ids) == 1}
 
 
 def engine_weights_match(snapshot: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:

@@ -7,6 +7,9 @@ import os
 MASTER_SWITCH = "TRL_VLM_FIXES"
 STRICT_SWITCH = "TRL_VLM_FIXES_STRICT"
 CUDAGRAPH_MODE_VARIABLE = "TRL_VLM_FIXES_CUDAGRAPH_MODE"
+# a part of a fix that can be turned off alone (the rest of the fix stays on)
+VISION_TOKEN_BAN_SWITCH = "TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN"
+BOOLEAN_SUB_SWITCHES = (VISION_TOKEN_BAN_SWITCH,)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -51,5 +54,5 @@ def strict_mode() -> bool:
 
 def validate_environment(fix_names: list[str]) -> None:
     """Fail at import time on any malformed switch, not later in the middle of a run."""
-    for variable in [MASTER_SWITCH, STRICT_SWITCH, *(fix_switch(name) for name in fix_names)]:
+    for variable in [MASTER_SWITCH, STRICT_SWITCH, *BOOLEAN_SUB_SWITCHES, *(fix_switch(name) for name in fix_names)]:
         read_bool(variable, True)

@@ -182,8 +182,3 @@ def build_tiny_qwen35_vlm(
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
-
-
-def special_token_ids(tokenizer: Any) -> list[int]:
-    """Ids a random model must never sample (a sampled vision pad would break any VLM forward)."""
-    return [int(tokenizer.convert_tokens_to_ids(token)) for token in SPECIAL_TOKENS[3:]]

@@ -44,7 +44,6 @@ def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) 
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
-    from trl_vlm_fixes.tiny_model import special_token_ids
 
     processor = AutoProcessor.from_pretrained(model_dir)
     on_gpu = torch.cuda.is_available() and not stand_in
@@ -71,8 +70,7 @@ def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) 
         model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"},
         # the stand-in cannot report the model's own log-probabilities: its importance ratios would mask everything
         vllm_importance_sampling_correction=not stand_in,
-        # a random model must never sample a vision pad token (its forward would need an image for it)
-        generation_kwargs={"logit_bias": {token: -100.0 for token in special_token_ids(processor.tokenizer)}},
+        # no ban of its own on vision placeholder tokens: the plugin's vision_token_guard does it
     )
     return GRPOTrainer(
         model=str(model_dir),

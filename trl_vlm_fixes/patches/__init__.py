@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from ..registry import Fix
-from . import cudagraph, mm_realign, reload_skip
+from . import cudagraph, mm_realign, reload_skip, vision_token_guard
 
-ALL_FIXES: tuple[Fix, ...] = (mm_realign.FIX, reload_skip.FIX, cudagraph.FIX)
+ALL_FIXES: tuple[Fix, ...] = (mm_realign.FIX, reload_skip.FIX, cudagraph.FIX, vision_token_guard.FIX)

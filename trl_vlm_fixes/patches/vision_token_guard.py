@@ -1,0 +1,205 @@
+"""vision_token_guard: a sampled vision placeholder token never kills a run.
+
+A policy can sample its processor's placeholder tokens (``<|video_pad|>``, ``<|image_pad|>``, ``<|vision_start|>``...;
+modelscope/ms-swift#9287). One such token in one completion ends a multi-day GRPO run at the scoring pass:
+``get_rope_index`` finds a video marker with no ``video_grid_thw`` (``TypeError: 'NoneType' object is not an
+iterator``) or the image features no longer match the image tokens (``ValueError: Image features and image tokens do
+not match``). The guard has two parts, both around the trainer's ``_generate``:
+
+- **ban** (``TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN``): while TRL samples, its placeholders are banned on every path
+  TRL 1.9.1 has: vLLM colocate and server mode get them in ``bad_words`` (exact single-token bans, JSON-safe, so the
+  ban travels with the server request), transformers ``generate`` in ``suppress_tokens``. The user's own settings are
+  kept and ours added; nothing is left on the trainer afterwards. Tokens TRL inserts itself (tool results with
+  images) are not sampled and stay untouched.
+- **safety net**: a placeholder that still reaches scoring outside TRL's tool-image path (ban off, a custom
+  ``rollout_func``) is replaced by the pad token before any forward pass, its row is masked out of the loss, counted in
+  ``trl_vlm_fixes/vision_token_rows_masked``, and the first one logs a WARNING naming the token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import metrics
+from ..registry import Fix, Target
+from ..switches import VISION_TOKEN_BAN_SWITCH, read_bool
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+# Placeholder tokens of the Qwen VLM processors (image, video, audio placeholders and the vision frame markers)
+KNOWN_PLACEHOLDERS = (
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+)
+_ID_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id", "vision_end_token_id")
+_TOKEN_ATTRIBUTES = ("image_token", "video_token", "audio_token", "vision_start_token", "vision_end_token")
+
+_placeholders: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_masked_rows: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+_warned: set[int] = set()
+_stepped_aside: set[str] = set()
+
+
+def placeholder_tokens(trainer: Any) -> dict[int, str]:
+    """{token id: token} of every multimodal placeholder the trainer's processor (or model config) defines."""
+    with contextlib.suppress(TypeError):
+        if trainer in _placeholders:
+            return _placeholders[trainer]
+    processor = getattr(trainer, "processing_class", None)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):  # a text-only trainer: nothing to guard
+        return {}
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    candidates: set[int] = set()
+    for holder in (processor, tokenizer, config):
+        candidates.update(v for a in _ID_ATTRIBUTES if isinstance(v := getattr(holder, a, None), int))
+    names = {t for h in (processor, tokenizer) for a in _TOKEN_ATTRIBUTES if isinstance(t := getattr(h, a, None), str)}
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    for name in names | set(KNOWN_PLACEHOLDERS):
+        token_id = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(token_id, int) and token_id != unknown:
+            candidates.add(token_id)
+    found = {}
+    for token_id in sorted(candidates):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(token, str) and token_id != unknown:
+            found[token_id] = token
+    with contextlib.suppress(TypeError):
+        _placeholders[trainer] = found
+    return found
+
+
+def _with_bad_words(generation_kwargs: dict[str, Any] | None, tokens: list[str]) -> dict[str, Any]:
+    merged = dict(generation_kwargs or {})
+    own = list(merged.get("bad_words") or [])
+    merged["bad_words"] = own + [token for token in tokens if token not in own]
+    return merged
+
+
+@contextlib.contextmanager
+def banned_while_sampling(trainer: Any, placeholders: dict[int, str]) -> Iterator[None]:
+    """The placeholders are banned on TRL's generation paths for the duration of one rollout, then put back."""
+    restore: list[tuple[Any, str, Any]] = []
+    generation = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
+    if generation is not None:  # colocate and server mode: vLLM SamplingParams(bad_words=...)
+        restore.append((generation, "generation_kwargs", generation.generation_kwargs))
+        generation.generation_kwargs = _with_bad_words(generation.generation_kwargs, list(placeholders.values()))
+    config = getattr(trainer, "generation_config", None)
+    if config is not None and hasattr(config, "suppress_tokens"):  # transformers generate and continuous batching
+        restore.append((config, "suppress_tokens", config.suppress_tokens))
+        own = list(config.suppress_tokens or [])
+        config.suppress_tokens = own + [t for t in placeholders if t not in own]
+    try:
+        yield
+    finally:
+        for holder, attribute, value in restore:
+            setattr(holder, attribute, value)
+
+
+def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, str]) -> Any:
+    """Replace placeholders the policy sampled by the pad token; remember their rows for the loss mask."""
+    if not (isinstance(output, tuple) and len(output) >= 2 and isinstance(output[1], list)):
+        return output
+    completion_ids = output[1]
+    # GRPO returns a tool mask third: 0 marks tokens TRL inserted itself (tool results, their images)
+    tool_mask = output[2] if len(output) >= 3 and isinstance(output[2], list) else None
+    banned = placeholders.keys()
+    pad = getattr(getattr(trainer, "processing_class", None), "tokenizer", None)
+    pad_id = getattr(pad, "pad_token_id", None)
+    masked = []
+    for row, ids in enumerate(completion_ids):
+        if banned.isdisjoint(ids):
+            continue
+        sampled = tool_mask[row] if tool_mask is not None else None
+        stray = [i for i, t in enumerate(ids) if t in banned and (sampled is None or sampled[i])]
+        if not stray:
+            continue
+        if pad_id is None:
+            raise RuntimeError(
+                f"trl_vlm_fixes.vision_token_guard: row {row} contains the vision placeholder "
+                f"{placeholders[ids[stray[0]]]} and the tokenizer has no pad token to replace it; set "
+                "tokenizer.pad_token or keep TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN on."
+            )
+        first = ids[stray[0]]
+        if first not in _warned:
+            _warned.add(first)
+            LOGGER.warning(
+                "trl_vlm_fixes.vision_token_guard: a completion contains the vision placeholder %s (id %d) sampled by "
+                "the policy; it is replaced by the pad token and its row is masked out of the loss (counted in %s).",
+                placeholders[first],
+                first,
+                metrics.VISION_TOKEN_ROWS_MASKED,
+            )
+        row_ids = list(ids)
+        for i in stray:
+            row_ids[i] = pad_id
+        completion_ids[row] = row_ids
+        masked.append(row)
+    with contextlib.suppress(TypeError):
+        _masked_rows.setdefault(trainer, []).extend(masked)
+    metrics.count(trainer, metrics.VISION_TOKEN_ROWS_MASKED, len(masked))
+    return output
+
+
+def _guarded_placeholders(trainer: Any) -> dict[int, str]:
+    placeholders = placeholder_tokens(trainer)
+    if not placeholders:
+        kind = type(trainer).__name__
+        if kind not in _stepped_aside:
+            _stepped_aside.add(kind)
+            LOGGER.warning(
+                "trl_vlm_fixes.vision_token_guard steps aside for %s: its processing class defines no vision "
+                "placeholder token (a text-only model).",
+                kind,
+            )
+    return placeholders
+
+
+def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The trainer's ``_generate``: ban while sampling, then catch what still got through."""
+    placeholders = _guarded_placeholders(instance)
+    if not placeholders:
+        return wrapped(*args, **kwargs)
+    ban = read_bool(VISION_TOKEN_BAN_SWITCH, True)
+    with banned_while_sampling(instance, placeholders) if ban else contextlib.nullcontext():
+        output = wrapped(*args, **kwargs)
+    return _mask_stray_placeholders(instance, output, placeholders)
+
+
+def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The trainer's ``_generate_and_score_completions``: rows whose placeholder was replaced get no loss."""
+    with contextlib.suppress(TypeError):
+        _masked_rows.pop(instance, None)
+    output = wrapped(*args, **kwargs)
+    rows = None
+    with contextlib.suppress(TypeError):
+        rows = _masked_rows.pop(instance, None)
+    if rows and isinstance(output, dict) and "completion_mask" in output:
+        output["completion_mask"][rows] = 0
+    return output
+
+
+def _targets() -> tuple[Target, ...]:
+    targets = []
+    for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer")):
+        targets.append(Target(module, f"{cls}._generate", rollout_wrapper))
+        targets.append(Target(module, f"{cls}._generate_and_score_completions", scoring_wrapper))
+    return tuple(targets)
+
+
+FIX = Fix(
+    name="vision_token_guard",
+    summary="sampled vision placeholder tokens are banned, and masked out of the loss if one still gets through",
+    packages=("trl",),
+    targets=_targets(),
+)
