@@ -457,7 +457,8 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
 
     source = (
         "import vllm\nLLM = None\nclass A:\n    def spaced(self):\n        self.llm = LLM (\n            model='m')\n"
-        "    def text_only(self):\n        return 'LLM(model)'\n    def attribute(self):\n        self.llm = vllm.LLM()\n"
+        "    def text_only(self):\n        return 'LLM(model)'\n"
+        "    def attribute(self):\n        self.llm = vllm.LLM()\n"
     )
     path = tmp_path / "drifted_builders.py"
     path.write_text(source)
