@@ -111,8 +111,7 @@ def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, 
     if not (isinstance(output, tuple) and len(output) >= 2 and isinstance(output[1], list)):
         return output
     completion_ids = output[1]
-    # GRPO returns a tool mask third: 0 marks tokens TRL inserted itself (tool results, their images)
-    tool_mask = output[2] if len(output) >= 3 and isinstance(output[2], list) else None
+    tool_mask = _tool_mask(output)
     banned = placeholders.keys()
     pad = getattr(getattr(trainer, "processing_class", None), "tokenizer", None)
     pad_id = getattr(pad, "pad_token_id", None)
@@ -149,6 +148,18 @@ def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, 
         _masked_rows.setdefault(trainer, []).extend(masked)
     metrics.count(trainer, metrics.VISION_TOKEN_ROWS_MASKED, len(masked))
     return output
+
+
+def _tool_mask(output: tuple[Any, ...]) -> list[list[int]] | None:
+    """GRPO returns a tool mask third (0: a token TRL inserted itself, a tool result or its image); RLOO does not."""
+    candidate = output[2] if len(output) >= 3 else None
+    if not isinstance(candidate, list) or len(candidate) != len(output[1]):
+        return None
+    rows_match = all(
+        isinstance(mask, list) and len(mask) == len(ids) and all(isinstance(m, int) for m in mask[:1])
+        for mask, ids in zip(candidate, output[1], strict=True)
+    )
+    return candidate if rows_match else None
 
 
 def _guarded_placeholders(trainer: Any) -> dict[int, str]:

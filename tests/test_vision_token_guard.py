@@ -1,0 +1,233 @@
+"""vision_token_guard on the real trainers: a tiny Qwen3.5 VLM whose lm_head loves its vision placeholder tokens.
+
+Without the guard a step crashes at scoring; with it no completion holds a placeholder (ban), and where one still gets
+through (ban off) its row is masked out of the loss and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trl_vlm_fixes import metrics
+from trl_vlm_fixes.tiny_model import SPECIAL_TOKENS
+
+PLACEHOLDERS = SPECIAL_TOKENS[3:]  # vision start/end, image pad, video pad
+CRASH = r"Image features and image tokens do not match|not an iterator|shape mismatch|do not match"
+
+
+@pytest.fixture(scope="session")
+def loving_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 VLM with its placeholder rows of lm_head scaled 50x: nearly every token it samples is one."""
+    from transformers import AutoModelForImageTextToText
+
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+
+    directory = build_tiny_qwen35_vlm(tmp_path_factory.mktemp("placeholder-loving"))
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    ids = [model.config.image_token_id, model.config.video_token_id]
+    ids += [model.config.vision_start_token_id, model.config.vision_end_token_id]
+    with torch.no_grad():
+        model.lm_head.weight[ids] *= 50.0
+    model.save_pretrained(directory)
+    return directory
+
+
+def placeholder_ids(processor: Any) -> set[int]:
+    return {processor.tokenizer.convert_tokens_to_ids(token) for token in PLACEHOLDERS}
+
+
+def loving_trainer(model_dir: Path, tmp_path: Path, kind: str, **overrides: Any) -> Any:
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.demo import build_trainer
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    return build_trainer(model_dir, processor, str(tmp_path / kind), kind, max_steps=3, **overrides)
+
+
+def record_rollouts(trainer: Any) -> list[dict[str, Any]]:
+    """What TRL's scoring pass received (its `_generate_and_score_completions` outputs), per rollout."""
+    outputs: list[dict[str, Any]] = []
+    bound = trainer._generate_and_score_completions
+
+    def recorder(inputs: Any) -> Any:
+        output = bound(inputs)
+        outputs.append(output)
+        return output
+
+    trainer._generate_and_score_completions = recorder
+    return outputs
+
+
+def record_raw_samples(trainer: Any) -> list[list[int]]:
+    """The completions as sampled, before the guard's safety net looks at them."""
+    rows: list[list[int]] = []
+    bound = trainer._generate_single_turn
+
+    def recorder(*args: Any, **kwargs: Any) -> Any:
+        result = bound(*args, **kwargs)
+        completion_ids = result[0] if isinstance(result, tuple) else result
+        rows.extend(list(ids) for ids in completion_ids)
+        return result
+
+    trainer._generate_single_turn = recorder
+    return rows
+
+
+def metric_values(trainer: Any) -> list[float]:
+    return [log[metrics.VISION_TOKEN_ROWS_MASKED] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_placeholder_loving_policy_crashes_without_the_guard(
+    loving_model_dir: Path, tmp_path: Path, one_fix_off: Any, kind: str
+) -> None:
+    one_fix_off("vision_token_guard")
+    trainer = loving_trainer(loving_model_dir, tmp_path, kind)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match=CRASH):
+        trainer.train()
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_guard_bans_placeholders_and_training_runs(loving_model_dir: Path, tmp_path: Path, kind: str) -> None:
+    trainer = loving_trainer(loving_model_dir, tmp_path, kind)
+    banned = placeholder_ids(trainer.processing_class)
+    raw = record_raw_samples(trainer)
+    suppressed_before = trainer.generation_config.suppress_tokens
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert raw and not any(banned & set(row) for row in raw)  # the sampler never produced one
+    assert metric_values(trainer) == [0.0, 0.0, 0.0]
+    assert trainer.generation_config.suppress_tokens == suppressed_before  # nothing left on the trainer
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
+    loving_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
+) -> None:
+    monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
+    trainer = loving_trainer(loving_model_dir, tmp_path, kind)
+    banned = placeholder_ids(trainer.processing_class)
+    raw = record_raw_samples(trainer)
+    rollouts = record_rollouts(trainer)
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    stray_rows = sum(bool(banned & set(row)) for row in raw)
+    assert stray_rows > 0, "the loving model sampled no placeholder: the test shows nothing"
+    assert sum(metric_values(trainer)) == stray_rows
+    masked = sum(int((output["completion_mask"].sum(dim=1) == 0).sum()) for output in rollouts)
+    assert masked == stray_rows
+    for output in rollouts:  # no placeholder reaches the model in a completion
+        assert not any(banned & set(row.tolist()) for row in output["completion_ids"])
+    warnings = [r.getMessage() for r in caplog.records if "vision_token_guard" in r.getMessage()]
+    assert warnings and any(token in warnings[0] for token in PLACEHOLDERS)
+
+
+def test_vllm_colocate_request_carries_the_ban(loving_model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM
+
+    class LovingEngine(StandInLLM):
+        favourite_token_ids = (261, 259)  # image pad, vision start of the tiny vocabulary
+
+    monkeypatch.setattr(vllm_generation, "LLM", LovingEngine, raising=False)
+    trainer = loving_trainer(loving_model_dir, tmp_path, "grpo", use_vllm=True, vllm_mode="colocate")
+    assert {261, 259} <= placeholder_ids(trainer.processing_class)
+    rollouts = record_rollouts(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3 and metric_values(trainer) == [0.0, 0.0, 0.0]
+    assert not any({261, 259} & set(row.tolist()) for output in rollouts for row in output["completion_ids"])
+    assert "bad_words" not in (trainer.vllm_generation.generation_kwargs or {})  # restored after each rollout
+
+
+def test_vllm_colocate_without_the_guard_crashes(
+    loving_model_dir: Path, tmp_path: Path, monkeypatch: Any, one_fix_off: Any
+) -> None:
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.engine_standin import StandInLLM
+
+    class LovingEngine(StandInLLM):
+        favourite_token_ids = (261,)
+
+    one_fix_off("vision_token_guard")
+    monkeypatch.setattr(vllm_generation, "LLM", LovingEngine, raising=False)
+    trainer = loving_trainer(loving_model_dir, tmp_path, "grpo", use_vllm=True, vllm_mode="colocate")
+    with pytest.raises((TypeError, ValueError, RuntimeError), match=CRASH):
+        trainer.train()
+
+
+def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """Server mode: the ban travels in the request's generation_kwargs, through JSON, and the user's own stay."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    requests: list[dict[str, Any]] = []
+
+    class FakeServer:
+        """Stands in for `trl vllm-serve`: answers over 'JSON', samples the image pad unless the request bans it."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def init_communicator(self, device: Any = 0) -> None:
+            pass
+
+        def update_named_param(self, name: str, weights: Any) -> None:
+            pass
+
+        def reset_prefix_cache(self) -> None:
+            pass
+
+        def generate(self, prompts: list[list[int]], n: int = 1, **kwargs: Any) -> dict[str, Any]:
+            request = json.loads(json.dumps({"generation_kwargs": kwargs.get("generation_kwargs") or {}}))
+            requests.append(request)
+            image_pad = "<|image_pad|>" in (request["generation_kwargs"].get("bad_words") or [])
+            token = 65 if image_pad else 261
+            completions = [[70, token, 71, 72] for _ in prompts for _ in range(n)]
+            return {
+                "prompt_ids": prompts,
+                "completion_ids": completions,
+                "logprobs": [[[-5.57]] * 4 for _ in completions],
+                "logprob_token_ids": [[[t] for t in c] for c in completions],
+            }
+
+    monkeypatch.setattr(vllm_generation, "VLLMClient", FakeServer, raising=False)
+    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    trainer = loving_trainer(
+        loving_model_dir,
+        tmp_path,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="server",
+        generation_kwargs={"bad_words": ["hello"], "top_k": 5},
+        vllm_importance_sampling_correction=False,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3 and requests
+    for request in requests:
+        bad_words = request["generation_kwargs"]["bad_words"]
+        assert bad_words[0] == "hello" and set(PLACEHOLDERS) <= set(bad_words)
+        assert request["generation_kwargs"]["top_k"] == 5
+    assert metric_values(trainer) == [0.0, 0.0, 0.0]
+
+
+def test_text_only_trainer_is_left_alone_with_one_log_line(caplog: Any, monkeypatch: Any) -> None:
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import vision_token_guard
+
+    monkeypatch.setattr(vision_token_guard, "_stepped_aside", set())
+    text_only = SimpleNamespace(processing_class=SimpleNamespace())  # a plain tokenizer-less processing class
+    calls: list[str] = []
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        for _ in range(2):
+            out = vision_token_guard.rollout_wrapper(lambda: calls.append("x") or ("p", [[1]]), text_only, (), {})
+    assert out == ("p", [[1]]) and calls == ["x", "x"]
+    assert sum("steps aside" in r.getMessage() for r in caplog.records) == 1
