@@ -110,3 +110,24 @@ def make_generation(tiny_model_dir: Path, processor: Any) -> Callable[..., Any]:
         return build_generation(tiny_model_dir, processor, enable_sleep_mode, engine_class)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen3_text
+
+    return build_tiny_qwen3_text(tmp_path_factory.mktemp("tiny-qwen3-text"))
+
+
+@pytest.fixture
+def make_text_generation(tiny_text_model_dir: Path) -> Callable[..., Any]:
+    """TRL's real VLLMGeneration (colocate) serving a text model without Gated-DeltaNet layers."""
+    from transformers import AutoTokenizer
+
+    from trl_vlm_fixes.rollout_schedule import build_generation
+
+    def build() -> Any:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_text_model_dir)
+        return build_generation(tiny_text_model_dir, tokenizer, text_only=True)
+
+    return build

@@ -24,5 +24,7 @@ def expected_states() -> dict[str, str]:
         "mm_realign": "applied",
         "reload_skip": expected_reload_skip_state(),
         "cudagraph": "applied",
+        "gdn_prefill": "applied",
         "vision_token_guard": "applied",
+        "watchdog": "applied",
     }

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import trainer_start
 from .metrics import support_targets
 from .patches import ALL_FIXES
 from .patches.cudagraph import CudagraphModeError, selected_mode
+from .patches.gdn_prefill import GdnPrefillBackendError, selected_backend
 from .registry import FixNotApplicableError, Registry
 from .status import build_status
 from .switches import SwitchValueError
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CudagraphModeError",
     "FixNotApplicableError",
+    "GdnPrefillBackendError",
     "SwitchValueError",
     "__version__",
     "apply",
@@ -27,12 +30,15 @@ __all__ = [
 ]
 
 # One registry per process, kept across importlib.reload so that a reload never wraps anything twice.
-REGISTRY: Registry = globals().get("REGISTRY") or Registry(ALL_FIXES, support=support_targets())
+REGISTRY: Registry = globals().get("REGISTRY") or Registry(
+    ALL_FIXES, support=support_targets() + trainer_start.support_targets()
+)
 
 
 def apply() -> None:
     """Turn on every fix allowed by the environment switches; a second call changes nothing."""
     selected_mode()  # a bad TRL_VLM_FIXES_CUDAGRAPH_MODE fails at once, not when the engine is built
+    selected_backend()  # likewise TRL_VLM_FIXES_GDN_PREFILL_BACKEND
     REGISTRY.apply()
 
 

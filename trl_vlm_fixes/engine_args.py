@@ -30,7 +30,7 @@ class EngineBuild:
     caller: str
     model_config: Any
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
-    notes: list[str] = field(default_factory=list)  # why a fix left this engine alone
+    stepped_aside: list[str] = field(default_factory=list)  # fixes that leave this engine alone (no GDN layers)
     reached: set[str] = field(default_factory=set)  # fixes whose contribution ran
 
 
@@ -72,13 +72,37 @@ class _EngineFactory:
             contribute(kwargs, build)
             build.reached.add(name)
         self.builds.append(build)
-        if _is_main_process(self.instance) and (build.changes or build.notes):
-            LOGGER.warning(
-                "trl_vlm_fixes: %s builds the colocated vLLM engine with %s",
-                self.caller,
-                "; ".join(build.changes + build.notes) + ".",
-            )
+        global last_engine_settings
+        last_engine_settings = describe(build)
+        if _is_main_process(self.instance):
+            LOGGER.warning("trl_vlm_fixes: %s builds the colocated vLLM engine %s", self.caller, last_engine_settings)
         return self.engine_class(*args, **kwargs)
+
+
+# What the last engine of this process was built with (the rollout watchdog writes it into its hang report)
+last_engine_settings = "(no engine built by TRL in this process yet)"
+
+
+def describe(build: EngineBuild) -> str:
+    """One line: the settings chosen and their cost, and which fixes stepped aside and why."""
+    parts = []
+    if build.changes:
+        parts.append("with " + "; ".join(sorted(build.changes)))
+    if build.stepped_aside:
+        model = type(build.model_config).__name__ if build.model_config is not None else "an unreadable config"
+        verb = "steps" if len(build.stepped_aside) == 1 else "step"
+        names = " and ".join(sorted(build.stepped_aside))
+        aside = f"{names} {verb} aside: the served model ({model}) has no Gated-DeltaNet layers"
+        parts.append(("exactly as upstream: " if not build.changes else "") + aside)
+    return "; ".join(parts) + "." if parts else "exactly as upstream."
+
+
+def serves_gated_deltanet(build: EngineBuild) -> bool:
+    """Does the served model have Gated-DeltaNet layers (``linear_attention`` in its text config's layer types)?"""
+    config = build.model_config
+    text_config = getattr(config, "text_config", None) or config
+    layer_types = getattr(text_config, "layer_types", None) or ()
+    return "linear_attention" in layer_types
 
 
 def _is_main_process(instance: Any) -> bool:

@@ -93,12 +93,14 @@ def run_schedule(loop: TrainerLoop) -> None:
     loop.trl_generate()  # evaluation after the step: same path, no sync
 
 
-def build_generation(model_dir: Any, processor: Any, enable_sleep_mode: bool = True, engine_class: Any = None) -> Any:
+def build_generation(
+    model_dir: Any, processor: Any, enable_sleep_mode: bool = True, engine_class: Any = None, text_only: bool = False
+) -> Any:
     """TRL's real VLLMGeneration in colocate mode, on the stand-in engine (the module's LLM is swapped meanwhile)."""
     import importlib
 
     from accelerate import Accelerator
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from .engine_standin import StandInLLM, StandInSamplingParams
 
@@ -111,7 +113,7 @@ def build_generation(model_dir: Any, processor: Any, enable_sleep_mode: bool = T
     vllm_generation.is_vllm_available = lambda *a, **k: True
     try:
         return vllm_generation.VLLMGeneration(
-            model=AutoModelForImageTextToText.from_pretrained(model_dir),
+            model=(AutoModelForCausalLM if text_only else AutoModelForImageTextToText).from_pretrained(model_dir),
             accelerator=Accelerator(cpu=True),
             processing_class=processor,
             mode="colocate",

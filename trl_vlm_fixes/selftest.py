@@ -114,6 +114,36 @@ def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
     return _off_then_on("reload_skip", measure, bug, fix)
 
 
+def check_vision_token_guard(trainer: Any) -> CheckResult:
+    """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
+    import torch
+
+    from .batch_scoring import score_batch
+    from .demo import mixed_rows
+    from .patches.vision_token_guard import placeholder_tokens
+
+    banned = set(placeholder_tokens(trainer))
+    with torch.no_grad():
+        trainer.model.lm_head.weight[sorted(banned)] *= 50.0
+    rows = mixed_rows()[:2]
+
+    def measure() -> str | int:
+        torch.manual_seed(0)
+        try:
+            out, _ = score_batch(trainer, rows)
+        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+            return f"{type(error).__name__}: {str(error)[:80]}"
+        return sum(bool(banned & set(row.tolist())) for row in out["completion_ids"])
+
+    def bug(outcome: str | int) -> tuple[bool, str]:
+        return isinstance(outcome, str) or outcome > 0, f"fix off: a placeholder-loving policy's rollout: {outcome}"
+
+    def fix(outcome: str | int) -> tuple[bool, str]:
+        return outcome == 0, f"fix on: scored, {outcome} completions holding a placeholder"
+
+    return _off_then_on("vision_token_guard", measure, bug, fix)
+
+
 def engine_cudagraph_mode(config: Any) -> str:
     """The CUDA-graph mode an engine given ``compilation_config=config`` runs, as vLLM's own config resolves it."""
     try:
@@ -161,6 +191,9 @@ def collect() -> dict[str, Any]:
         "mm_realign": check_mm_realign(trainer, processor),
         "reload_skip": check_reload_skip(model_dir, processor),
         "cudagraph": check_cudagraph(model_dir, processor),
+        "vision_token_guard": check_vision_token_guard(
+            build_trainer(model_dir, processor, os.path.join(workdir, "loving"), disable_tqdm=True)
+        ),
     }
     failed = [name for name, check in checks.items() if check.fix_works is False]
     status = build_status(REGISTRY, __version__)
@@ -183,7 +216,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"trl_vlm_fixes {report['version']} self-test on {versions}", ""]
     for name, check in report["fixes"].items():
         lines.append(
-            f"{name:<12} bug present: {_yes_no(check['bug_present']):<4} fix works: "
+            f"{name:<18} bug present: {_yes_no(check['bug_present']):<4} fix works: "
             f"{_yes_no(check['fix_works']):<4} ({check['state']}) {check['seconds']:5.1f} s  {check['detail']}"
         )
     verdict = (

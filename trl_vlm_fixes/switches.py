@@ -41,10 +41,39 @@ def read_bool(variable: str, default: bool) -> bool:
     )
 
 
+WATCHDOG_SWITCH = "TRL_VLM_FIXES_WATCHDOG"
+DEFAULT_WATCHDOG_SECONDS = 1800.0
+
+
+def watchdog_seconds() -> float:
+    """TRL_VLM_FIXES_WATCHDOG: seconds a vLLM generate may run (default 1800); 0 turns the watchdog off."""
+    raw = os.environ.get(WATCHDOG_SWITCH)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_WATCHDOG_SECONDS
+    value = raw.strip().lower()
+    if value in _FALSE:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise SwitchValueError(
+            f"{WATCHDOG_SWITCH}={raw!r} is not a number of seconds. Accepted values: a positive number of seconds "
+            f"(default {DEFAULT_WATCHDOG_SECONDS:.0f}), or 0 to turn the rollout watchdog off."
+        )
+    return seconds
+
+
+# fixes whose own switch is not a boolean: how to read it as "enabled"
+_NON_BOOLEAN_SWITCHES = {"watchdog": lambda: watchdog_seconds() > 0}
+
+
 def fix_enabled(fix_name: str) -> bool:
     """A fix runs unless the master switch or its own switch turns it off (both are validated)."""
     master = read_bool(MASTER_SWITCH, True)
-    own = read_bool(fix_switch(fix_name), True)
+    reader = _NON_BOOLEAN_SWITCHES.get(fix_name)
+    own = reader() if reader else read_bool(fix_switch(fix_name), True)
     return master and own
 
 
@@ -54,5 +83,7 @@ def strict_mode() -> bool:
 
 def validate_environment(fix_names: list[str]) -> None:
     """Fail at import time on any malformed switch, not later in the middle of a run."""
-    for variable in [MASTER_SWITCH, STRICT_SWITCH, *BOOLEAN_SUB_SWITCHES, *(fix_switch(name) for name in fix_names)]:
+    for variable in [MASTER_SWITCH, STRICT_SWITCH, *BOOLEAN_SUB_SWITCHES]:
         read_bool(variable, True)
+    for name in fix_names:
+        fix_enabled(name)

@@ -151,6 +151,32 @@ def build_config(
     )
 
 
+def build_tiny_qwen3_text(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 text model (no Gated-DeltaNet layers, no vision): what the engine fixes leave alone."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    directory = Path(directory)
+    tokenizer = build_processor().tokenizer
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids["<|im_end|>"],
+        bos_token_id=token_ids["<|endoftext|>"],
+    )
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def build_tiny_qwen35_vlm(
     directory: str | Path,
     seed: int = 0,

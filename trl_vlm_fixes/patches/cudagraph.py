@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from ..engine_args import EngineBuild, engine_builder_targets
+from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
 from ..switches import CUDAGRAPH_MODE_VARIABLE
 
@@ -94,7 +94,10 @@ def _warn_override(previous: Any, mode: str) -> None:
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Merge the selected ``cudagraph_mode`` into the engine's compilation config."""
+    """Merge the selected ``cudagraph_mode`` into the engine's compilation config (Gated-DeltaNet models only)."""
+    if not serves_gated_deltanet(build):
+        build.stepped_aside.append("cudagraph")
+        return
     mode = selected_mode()
     kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
     build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {CUDAGRAPH_MODE_VARIABLE} to choose)")

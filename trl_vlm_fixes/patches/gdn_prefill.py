@@ -1,0 +1,60 @@
+"""gdn_prefill: TRL's colocated engine runs Gated-DeltaNet prefill on vLLM's Triton/FLA kernel, not FlashInfer's.
+
+vLLM 0.25.1 on Hopper (SM90) picks FlashInfer 0.6.13's GDN prefill kernel by default, and that kernel is reported to
+hang Qwen3.5 runs after hours (flashinfer-ai/flashinfer#3986, #2623 "Kernel hang in gdn_prefill_sm90", "Barrier error
+detected. Missing wait"; vllm-project/vllm#38916, gone with Triton). FlashInfer replaced it in 0.6.14 (first pinned by
+vLLM 0.26.0). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it; ``gdn_prefill_backend`` does.
+The value is added at TRL's ``LLM(...)`` call, through the same mechanism as ``cudagraph``, and only for models that
+have Gated-DeltaNet layers; a ``gdn_prefill_backend`` already in the engine arguments is kept.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
+from ..registry import Fix
+
+BACKEND_VARIABLE = "TRL_VLM_FIXES_GDN_PREFILL_BACKEND"
+VALID_BACKENDS = ("triton", "flashinfer")
+DEFAULT_BACKEND = "triton"
+
+
+class GdnPrefillBackendError(ValueError):
+    """TRL_VLM_FIXES_GDN_PREFILL_BACKEND names no backend we accept."""
+
+
+def selected_backend() -> str:
+    """The backend from TRL_VLM_FIXES_GDN_PREFILL_BACKEND (default triton); anything else fails at once."""
+    raw = os.environ.get(BACKEND_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_BACKEND
+    backend = raw.lower()
+    if backend not in VALID_BACKENDS:
+        raise GdnPrefillBackendError(
+            f"{BACKEND_VARIABLE}={raw!r} is not a GDN prefill backend this plugin selects. Accepted values: "
+            f"{', '.join(VALID_BACKENDS)}. Unset it for the default ({DEFAULT_BACKEND})."
+        )
+    return backend
+
+
+def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
+    if not serves_gated_deltanet(build):
+        build.stepped_aside.append("gdn_prefill")
+        return
+    if kwargs.get("gdn_prefill_backend") is not None:
+        build.changes.append(f"gdn_prefill_backend={kwargs['gdn_prefill_backend']} (passed to the engine; kept)")
+        return
+    backend = selected_backend()
+    kwargs["gdn_prefill_backend"] = backend
+    note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
+    build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
+
+
+FIX = Fix(
+    name="gdn_prefill",
+    summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
+    packages=("trl", "vllm"),
+    targets=engine_builder_targets("gdn_prefill", contribute),
+)
