@@ -25,6 +25,15 @@ def prepare_single_process_colocate() -> None:
         os.environ.setdefault(key, value)
 
 
+def engine_additional_config(llm: Any) -> dict[str, Any]:
+    """vLLM keeps ``gdn_prefill_backend`` in ``additional_config`` (EngineArgs): what the engine really got."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    extra = getattr(config, "additional_config", None)
+    if isinstance(extra, dict):
+        return extra
+    return dict(getattr(llm, "init_kwargs", {}))  # the CPU stand-in records its arguments instead
+
+
 def force_triton_gdn_prefill() -> None:
     """FlashInfer is absent from the offline bundles: vLLM 0.25.1 would pick it for the Gated-DeltaNet prefill."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RolloutRecorder, engine_cudagraph_mode, error_lines, print_result, run_in_fresh_process
+from common import (
+    RolloutRecorder,
+    engine_additional_config,
+    engine_cudagraph_mode,
+    error_lines,
+    print_result,
+    run_in_fresh_process,
+)
 
 VARIANT_SWITCHES = {
     "on": {},
@@ -97,7 +104,9 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
         from common import force_triton_gdn_prefill, prepare_single_process_colocate
 
         prepare_single_process_colocate()
-        force_triton_gdn_prefill()
+        trl_vlm_fixes.REGISTRY.import_targets()
+        if trl_vlm_fixes.status()["patches"]["gdn_prefill"]["state"] != "applied":
+            force_triton_gdn_prefill()  # the bundles lack FlashInfer; with the plugin, gdn_prefill picks Triton itself
     result: dict[str, Any] = {}
     started = time.perf_counter()
     trainer = build_trainer(model_dir, tempfile.mkdtemp(), steps, stand_in)
@@ -105,6 +114,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     result["trainer_and_engine_start_s"] = round(time.perf_counter() - started, 1)
     engine = trainer.vllm_generation.llm
     result["engine_cudagraph_mode"] = engine_cudagraph_mode(engine)
+    result["engine_gdn_prefill_backend"] = engine_additional_config(engine).get("gdn_prefill_backend")
     model = trainer.accelerator.unwrap_model(trainer.model)
     recorder = RolloutRecorder(engine, model.lm_head.weight, tags=lambda: {"global_step": trainer.state.global_step})
     started = time.perf_counter()
@@ -184,8 +194,14 @@ def main() -> None:
             report["variants"][variant] = {"trained": False, "error": error}
             print(f"{variant}: failed (exit {run.returncode})\n" + "\n".join(run.stderr.splitlines()[-25:]), flush=True)
             continue
+        result["log_lines"] = [
+            line.strip()[-240:]
+            for line in (run.stdout + run.stderr).splitlines()
+            if "GDN prefill kernel" in line or "trl_vlm_fixes:" in line
+        ][:12]
         report["variants"][variant] = result
         print(json.dumps(summarize(variant, report["variants"][variant])), flush=True)
+        print("\n".join(result["log_lines"]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     header = ("variant", "trained", "steps", "rollouts", "on current", "on original*", "all zero", "reloads", "mode")
     print("".join(f"{h:>16}" for h in header))

@@ -33,8 +33,9 @@ def main() -> int:
 
     vllm_generation.LLM = WedgedEngine
     processor = AutoProcessor.from_pretrained(model_dir)
+    dataset = mixed_dataset(MIXED_SAMPLES)
     trainer = build_trainer(
-        model_dir, processor, output_dir, "grpo", use_vllm=True, vllm_mode="colocate", dataset=mixed_dataset(MIXED_SAMPLES)
+        model_dir, processor, output_dir, "grpo", use_vllm=True, vllm_mode="colocate", dataset=dataset
     )
     trainer.train()
     print("trained", trainer.state.global_step, flush=True)
