@@ -34,6 +34,15 @@ def engine_additional_config(llm: Any) -> dict[str, Any]:
     return dict(getattr(llm, "init_kwargs", {}))  # the CPU stand-in records its arguments instead
 
 
+def engine_gdn_prefill_kernels(llm: Any) -> list[str]:
+    """The prefill kernel each Gated-DeltaNet layer of the in-process engine really uses (``ChunkGatedDeltaRule``)."""
+    try:
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    except AttributeError:
+        return []
+    return sorted({m.gdn_prefill_backend for m in model.modules() if hasattr(m, "gdn_prefill_backend")})
+
+
 def force_triton_gdn_prefill() -> None:
     """FlashInfer is absent from the offline bundles: vLLM 0.25.1 would pick it for the Gated-DeltaNet prefill."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn

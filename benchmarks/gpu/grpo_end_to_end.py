@@ -28,6 +28,7 @@ from common import (
     RolloutRecorder,
     engine_additional_config,
     engine_cudagraph_mode,
+    engine_gdn_prefill_kernels,
     error_lines,
     print_result,
     run_in_fresh_process,
@@ -115,6 +116,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     engine = trainer.vllm_generation.llm
     result["engine_cudagraph_mode"] = engine_cudagraph_mode(engine)
     result["engine_gdn_prefill_backend"] = engine_additional_config(engine).get("gdn_prefill_backend")
+    result["engine_gdn_prefill_kernels"] = engine_gdn_prefill_kernels(engine)
     model = trainer.accelerator.unwrap_model(trainer.model)
     recorder = RolloutRecorder(engine, model.lm_head.weight, tags=lambda: {"global_step": trainer.state.global_step})
     started = time.perf_counter()
