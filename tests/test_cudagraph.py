@@ -85,7 +85,8 @@ def test_merge_reaches_the_engine_constructor() -> None:
 
     existing = {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}
     kwargs: dict[str, Any] = {"model": "m", "compilation_config": existing}
-    build = EngineBuild("test", model_config=None)
+    gdn_config = type("Config", (), {"layer_types": ["linear_attention", "full_attention"]})()
+    build = EngineBuild("test", model_config=gdn_config)
     contribute(kwargs, build)
     assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
     assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated

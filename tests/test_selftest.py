@@ -58,7 +58,7 @@ def test_selftest_fails_when_an_enabled_fix_does_not_work(
     monkeypatch.setattr(realign, "rebuild_mm_token_type_ids", lambda ids, *a, **k: ids * 0)  # a broken fix
     assert run_selftest() == 1
     output = capsys.readouterr().out
-    assert "mm_realign   bug present: yes  fix works: no" in output and "FAIL: mm_realign" in output
+    assert "mm_realign         bug present: yes  fix works: no" in output and "FAIL: mm_realign" in output
     assert trl_vlm_fixes.status()["patches"]["mm_realign"]["state"] == "applied"
 
 

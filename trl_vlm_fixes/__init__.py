@@ -17,7 +17,9 @@ from .registry import FixNotApplicableError, Registry
 from .status import build_status
 from .switches import SwitchValueError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+# how the plugin was activated: "import" (the one-line import) or "launcher" (trl-vlm-fixes run, set by its bootstrap)
+ACTIVATION: str = globals().get("ACTIVATION", "import")
 __all__ = [
     "CudagraphModeError",
     "FixNotApplicableError",
@@ -49,7 +51,7 @@ def revert() -> None:
 
 def status() -> dict[str, Any]:
     """Versions and, per fix, its state (applied, disabled, skipped, not-needed, or pending until TRL is imported)."""
-    return build_status(REGISTRY, __version__)
+    return build_status(REGISTRY, __version__, ACTIVATION)
 
 
 apply()

@@ -1,4 +1,5 @@
-"""``python -m trl_vlm_fixes [--json] [--strict]`` and ``python -m trl_vlm_fixes selftest [--json]``."""
+"""``trl-vlm-fixes`` (also ``python -m trl_vlm_fixes``): ``status [--json] [--strict]``, ``selftest [--json]``,
+``run -- COMMAND...``. A bare ``trl-vlm-fixes`` (or only ``--json``/``--strict``) means ``status``."""
 
 from __future__ import annotations
 
@@ -6,18 +7,6 @@ import argparse
 import importlib.util
 import json
 import sys
-
-from . import REGISTRY, status
-from .status import render_table
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trl_vlm_fixes", description="Status of the trl_vlm_fixes fixes.")
-    parser.add_argument("command", nargs="?", choices=["status", "selftest"], default="status")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--strict", action="store_true", help="exit non-zero when an enabled fix was skipped")
-    return parser.parse_args(argv)
-
 
 # what the self-test imports (module name, pip name)
 SELFTEST_NEEDS = (
@@ -28,6 +17,24 @@ SELFTEST_NEEDS = (
     ("datasets", "datasets"),
     ("PIL", "pillow"),
 )
+COMMANDS = ("status", "selftest", "run")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="trl-vlm-fixes", description="Fixes for Qwen3.5 VLM GRPO training on TRL 1.9.1 + vLLM 0.25.1."
+    )
+    commands = parser.add_subparsers(dest="command")
+    status = commands.add_parser("status", help="the state of every fix (default)")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    status.add_argument("--strict", action="store_true", help="exit 1 when an enabled fix was skipped")
+    selftest = commands.add_parser("selftest", help="show each bug and each fix on the installed stack")
+    selftest.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    run = commands.add_parser("run", help="run COMMAND with the fixes in every Python process it starts")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["status", *argv]
+    return parser.parse_args(argv)
 
 
 def missing_packages(needs: tuple[tuple[str, str], ...] = SELFTEST_NEEDS) -> list[str]:
@@ -44,6 +51,10 @@ def missing_packages(needs: tuple[tuple[str, str], ...] = SELFTEST_NEEDS) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "run":
+        from .launcher import run
+
+        return run(args.argv)
     if args.command == "selftest":
         missing = missing_packages()
         if missing:
@@ -56,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         from .selftest import run_selftest
 
         return run_selftest(as_json=args.json)
+    from . import REGISTRY, status
+    from .status import render_table
+
     REGISTRY.import_targets()
     report = status()
     print(json.dumps(report, indent=2) if args.json else render_table(report))

@@ -11,6 +11,7 @@ status is not left at ``applied``.
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -131,10 +132,31 @@ def _call_with_factory(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return private(wrapped.__self__, *args, **kwargs)
 
 
-def engine_builder_wrapper(fix_name: str, target_key: str, caller: str, contribute: Contribution) -> Callable:
-    """The wrapt wrapper one fix puts on a TRL method that calls ``LLM(...)``."""
+SERVER_MODULE = "trl.scripts.vllm_serve"
+SERVER_FUNCTION = "llm_worker"
+
+
+def _called_by_trl_vllm_serve() -> bool:
+    """Is the engine being built by ``trl vllm-serve``'s worker (server mode)? Read from the calling frames."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == SERVER_FUNCTION and frame.f_globals.get("__name__") == SERVER_MODULE:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def engine_builder_wrapper(
+    fix_name: str, target_key: str, caller: str, contribute: Contribution, server: bool = False
+) -> Callable:
+    """The wrapt wrapper one fix puts on a TRL method that calls ``LLM(...)``, or (``server``) on ``LLM.__init__``,
+    acting there only when ``trl vllm-serve`` builds its engine."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if server and not _called_by_trl_vllm_serve():
+            return wrapped(*args, **kwargs)
         contributions = _pending.get()
         token = None
         if contributions is None:
@@ -143,6 +165,8 @@ def engine_builder_wrapper(fix_name: str, target_key: str, caller: str, contribu
         contributions.append((fix_name, contribute))
         factories: list[_EngineFactory] = []
         try:
+            if server and _is_plain_method(wrapped):  # LLM.__init__ itself: edit the arguments, then build
+                return _EngineFactory(wrapped, None, caller, contributions)(*args, **kwargs)
             if _is_plain_method(wrapped):
 
                 def factory_for(engine_class: Any) -> _EngineFactory:
@@ -187,11 +211,15 @@ ENGINE_BUILDERS = (
     ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm", "VLLMGeneration", False),
     ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer.__init__", "OnlineDPOTrainer", True),
 )
+# server mode: `trl vllm-serve` imports LLM inside its worker function, so the engine's own constructor is wrapped and
+# acts only when that worker calls it (a process the launcher started: trl-vlm-fixes run -- trl vllm-serve ...)
+SERVER_ENGINE = ("vllm.entrypoints.llm", "LLM.__init__")
 
 
 def engine_builder_targets(fix_name: str, contribute: Contribution) -> tuple[Target, ...]:
-    """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine."""
-    return tuple(
+    """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
+    engine ``trl vllm-serve`` builds."""
+    colocated = tuple(
         Target(
             module=module,
             qualname=qualname,
@@ -201,3 +229,11 @@ def engine_builder_targets(fix_name: str, contribute: Contribution) -> tuple[Tar
         )
         for module, qualname, caller, optional in ENGINE_BUILDERS
     )
+    module, qualname = SERVER_ENGINE
+    server = Target(
+        module=module,
+        qualname=qualname,
+        wrapper=engine_builder_wrapper(fix_name, f"{module}:{qualname}", "trl vllm-serve", contribute, server=True),
+        optional=True,
+    )
+    return (*colocated, server)

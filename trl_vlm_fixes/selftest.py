@@ -125,7 +125,7 @@ def check_vision_token_guard(trainer: Any) -> CheckResult:
     banned = set(placeholder_tokens(trainer))
     with torch.no_grad():
         trainer.model.lm_head.weight[sorted(banned)] *= 50.0
-    rows = mixed_rows()[:2]
+    rows = mixed_rows(((96, 64, "cats"), (96, 64, "dogs")))  # equal lengths: this check needs no realign
 
     def measure() -> str | int:
         torch.manual_seed(0)

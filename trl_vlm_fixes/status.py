@@ -7,13 +7,14 @@ from typing import Any
 from .versions import VALIDATED, installed_versions
 
 
-def build_status(registry: Any, version: str) -> dict[str, Any]:
+def build_status(registry: Any, version: str, activation: str = "import") -> dict[str, Any]:
     patches = {}
     for name, fix in registry.fixes.items():
         state, detail = registry.fix_state(name)
         patches[name] = {"state": state, "detail": detail, "switch": fix.switch, "summary": fix.summary}
     return {
         "version": version,
+        "activation": activation,
         "versions": installed_versions(),
         "validated": dict(VALIDATED),
         "patches": patches,
@@ -23,7 +24,7 @@ def build_status(registry: Any, version: str) -> dict[str, Any]:
 def render_table(status: dict[str, Any]) -> str:
     versions = status["versions"]
     lines = [
-        f"trl_vlm_fixes {status['version']}",
+        f"trl_vlm_fixes {status['version']} (activated by {status.get('activation', 'import')})",
         "installed: " + ", ".join(f"{name} {versions[name] or '-'}" for name in versions),
         "validated: " + ", ".join(f"{name} {value}" for name, value in status["validated"].items()),
         "",

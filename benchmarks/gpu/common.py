@@ -40,6 +40,8 @@ def engine_gdn_prefill_kernels(llm: Any) -> list[str]:
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     except AttributeError:
         return []
+    if not hasattr(model, "modules"):  # the CPU stand-in has no layers
+        return []
     return sorted({m.gdn_prefill_backend for m in model.modules() if hasattr(m, "gdn_prefill_backend")})
 
 
