@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
-# The whole test suite, setting up its own environments: ruff, mypy, the self-test, then pytest on the validated
-# stack (trl 1.9.1) and on the newest TRL release (LATEST_TRL, 1.16.0 today). LATEST_TRL=none skips the second.
+# The whole test suite, setting up its own environments: ruff, mypy, the wheel (built, installed into a fresh virtual
+# environment, `trl-vlm-fixes status` from there), then the self-test and pytest against the installed wheel (not the
+# checkout) on the validated stack (trl 1.9.1) and on the newest TRL release (LATEST_TRL, 1.16.0 today).
+# LATEST_TRL=none skips the second. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 latest=${LATEST_TRL:-1.16.0}
 bash scripts/setup_env.sh
 .venv/bin/ruff check trl_vlm_fixes tests examples benchmarks conftest.py
 .venv/bin/mypy
-.venv/bin/python -m trl_vlm_fixes selftest
-.venv/bin/python -m pytest -n 2 "$@"
+
+# the package as users get it: a wheel, installed into a fresh environment, its console script answering
+rm -rf dist && .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w dist . >/dev/null
+wheel=$(ls dist/trl_vlm_fixes-*.whl)
+rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
+.venv-wheel-check/bin/python -m pip install -q --disable-pip-version-check "$wheel"
+(cd /tmp && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status --json \
+  | "$root/.venv-wheel-check/bin/python" -c "import json,sys; r=json.load(sys.stdin); assert r['activation']=='import' and len(r['patches'])==6, r")
+
+# tests run from a folder without the package in it, so `import trl_vlm_fixes` is the installed wheel
+stage=$root/.test-stage
+rm -rf "$stage" && mkdir -p "$stage"
+for item in tests benchmarks examples conftest.py pyproject.toml; do ln -s "$root/$item" "$stage/$item"; done
+run_suite() {  # $1: the virtual environment
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+  (cd "$stage" && "$1/bin/python" -c "import trl_vlm_fixes, sys; sys.exit(trl_vlm_fixes.__file__.startswith('$root/trl_vlm_fixes'))")
+  (cd "$stage" && "$1/bin/trl-vlm-fixes" selftest)
+  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider "${@:2}")
+}
+run_suite "$root/.venv" "$@"
 if [ "$latest" != "none" ]; then
   VENV=.venv-trl-latest TRL="$latest" BASE=.venv bash scripts/setup_env.sh
-  .venv-trl-latest/bin/python -m trl_vlm_fixes selftest
-  .venv-trl-latest/bin/python -m pytest -n 2 "$@"
+  run_suite "$root/.venv-trl-latest" "$@"
 fi

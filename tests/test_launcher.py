@@ -1,0 +1,182 @@
+"""`trl-vlm-fixes run -- COMMAND`: the fixes in every Python process of a command nobody edited (TRL's CLI,
+accelerate's ranks, vllm-serve's engine), and the CLI itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from subprocess_helpers import environment_without_switches
+
+PROBE = (
+    "import sys, json, wrapt\n"
+    "from trl.trainer.grpo_trainer import GRPOTrainer\n"
+    "plugin = sys.modules.get('trl_vlm_fixes')\n"
+    "print(json.dumps({'loaded': plugin is not None, 'activation': getattr(plugin, 'ACTIVATION', None),\n"
+    "    'wrapped': isinstance(vars(GRPOTrainer)['_get_per_token_logps_and_entropies'], wrapt.FunctionWrapper)}))\n"
+)
+
+
+def launcher() -> list[str]:
+    """The installed console script, as a user runs it."""
+    script = Path(sys.executable).parent / "trl-vlm-fixes"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "trl_vlm_fixes"]
+
+
+def run(command: list[str], env: dict[str, str] | None = None, timeout: float = 300, cwd: Any = None) -> Any:
+    environment = {**environment_without_switches(), "HF_HUB_OFFLINE": "1", **(env or {})}
+    environment["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), environment.get("PATH", "")])
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def last_json_line(text: str) -> Any:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def test_run_patches_trl_in_the_child_process(tmp_path: Path) -> None:
+    launched = run([*launcher(), "run", "--", sys.executable, "-c", PROBE], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert last_json_line(launched.stdout) == {"loaded": True, "activation": "launcher", "wrapped": True}
+    plain = run([sys.executable, "-c", PROBE], cwd=tmp_path)
+    assert last_json_line(plain.stdout) == {"loaded": False, "activation": None, "wrapped": False}
+
+
+def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    code = "import os, sys, json; print(json.dumps({'user': os.environ.get('USER_SITECUSTOMIZE_RAN'), 'plugin': "
+    code += "'trl_vlm_fixes' in sys.modules}))"
+    launched = run([*launcher(), "run", "--", sys.executable, "-c", code], env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert last_json_line(launched.stdout) == {"user": "yes", "plugin": True}
+
+
+def test_run_without_a_command_or_with_an_unknown_one_says_so(tmp_path: Path) -> None:
+    empty = run([*launcher(), "run"], cwd=tmp_path)
+    assert empty.returncode == 2 and "no command given" in empty.stderr
+    unknown = run([*launcher(), "run", "--", "no-such-program-here"], cwd=tmp_path)
+    assert unknown.returncode == 127 and "command not found: 'no-such-program-here'" in unknown.stderr
+
+
+def test_cli_status_json_says_how_it_was_activated(tmp_path: Path) -> None:
+    result = run([*launcher(), "status", "--json"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["activation"] == "import" and "gdn_prefill" in report["patches"]
+    launched = run([*launcher(), "run", "--", *launcher(), "status", "--json"], cwd=tmp_path)
+    assert json.loads(launched.stdout)["activation"] == "launcher"
+
+
+@pytest.mark.slow
+def test_every_accelerate_rank_gets_the_fixes(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, sys\nimport trl.trainer.grpo_trainer\nplugin = sys.modules['trl_vlm_fixes']\n"
+        "states = {k: v['state'] for k, v in plugin.status()['patches'].items()}\n"
+        "print(json.dumps({'rank': int(os.environ['RANK']), 'activation': plugin.ACTIVATION, 'states': states}))\n"
+    )
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    accelerate += ["--main_process_port", free_port(), str(script)]
+    launched = run([*launcher(), "run", "--", *accelerate], env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    ranks = [json.loads(line) for line in launched.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert all(r["activation"] == "launcher" and r["states"]["mm_realign"] == "applied" for r in ranks)
+
+
+def write_cli_job(model_dir: Path, tmp_path: Path) -> Path:
+    """A local dataset (parquet, the mixed image rows) and a `trl grpo` YAML config pointing at the tiny model."""
+    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    mixed_dataset(MIXED_SAMPLES).to_parquet(str(data / "train.parquet"))
+    # the reward lives beside the config, not in the plugin: importing it must not load the fixes
+    (tmp_path / "my_rewards.py").write_text(
+        "def length_reward(completions, **kwargs):\n    return [float(len(str(c))) for c in completions]\n"
+    )
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {data}\nreward_funcs: [my_rewards.length_reward]\n"
+        f"output_dir: {tmp_path / 'out'}\nper_device_train_batch_size: 4\nnum_generations: 2\n"
+        "max_completion_length: 8\nmax_steps: 2\nlogging_steps: 1\nreport_to: none\nuse_cpu: true\nbf16: false\n"
+        "save_strategy: 'no'\nseed: 0\ndtype: float32\n"
+    )
+    return config
+
+
+@pytest.mark.slow
+def test_trl_cli_trains_through_the_launcher_and_crashes_without(loving_cli_model: Path, tmp_path: Path) -> None:
+    """TRL's own CLI, a tiny VLM whose policy loves its placeholders, the mixed image batch: `trl grpo` crashes at the
+    scoring pass on its own and trains both steps through the launcher."""
+    config = write_cli_job(loving_cli_model, tmp_path)
+    trl = str(Path(sys.executable).parent / "trl")
+    plain = run([trl, "grpo", "--config", str(config)], cwd=tmp_path, timeout=400)
+    assert plain.returncode != 0
+    assert "Image features and image tokens do not match" in plain.stderr or "not an iterator" in plain.stderr
+    launched = run([*launcher(), "run", "--", trl, "grpo", "--config", str(config)], cwd=tmp_path, timeout=400)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "train_runtime" in launched.stdout + launched.stderr
+    assert "vision_token_guard=applied" in launched.stderr
+    assert "trl_vlm_fixes" not in plain.stdout + plain.stderr  # the plain run never had the plugin
+
+
+@pytest.fixture(scope="session")
+def loving_cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+
+    directory = build_tiny_qwen35_vlm(tmp_path_factory.mktemp("cli-loving"))
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    with torch.no_grad():
+        model.lm_head.weight[[model.config.image_token_id, model.config.video_token_id]] *= 50.0
+    model.save_pretrained(directory)
+    return directory
+
+
+SERVER = """
+import json, sys, types
+from multiprocessing import Pipe
+import vllm.entrypoints.llm as llm_module
+captured = {}
+layer = vars(llm_module.LLM)["__init__"]
+if type(layer) is types.FunctionType:  # no plugin in this process: replace the constructor itself
+    llm_module.LLM.__init__ = lambda self, *a, **k: captured.update(k)
+else:  # below every fix's wrapper: record what would reach the real engine
+    while type(layer.__wrapped__) is not types.FunctionType:
+        layer = layer.__wrapped__
+    layer.__wrapped__ = lambda self, *a, **k: captured.update(k)
+from trl.scripts.vllm_serve import ScriptArguments, llm_worker
+parent, child = Pipe()
+parent.send({"type": "shutdown"})
+llm_worker(ScriptArguments(model=sys.argv[1]), 0, 29999, child)
+print(json.dumps({k: (v if isinstance(v, (str, int, float, bool, type(None), dict)) else repr(v))
+                  for k, v in captured.items()}))
+"""
+
+
+def test_trl_vllm_serve_engine_gets_the_engine_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    script = tmp_path / "serve_worker.py"
+    script.write_text(SERVER)
+    launched = run([*launcher(), "run", "--", sys.executable, str(script), str(tiny_model_dir)], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    kwargs = last_json_line(launched.stdout)
+    assert kwargs["gdn_prefill_backend"] == "triton"
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert kwargs["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"  # TRL's own kept
+    assert "trl vllm-serve builds the colocated vLLM engine with" in launched.stderr
+    plain = run([sys.executable, str(script), str(tiny_model_dir)], cwd=tmp_path)
+    upstream = last_json_line(plain.stdout)
+    assert "gdn_prefill_backend" not in upstream and "compilation_config" not in upstream
