@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import sys
 import types
 from typing import Any
 
 import pytest
+from source_modules import module_from_source
 from stack import expected_reload_skip_state, expected_states, upstream_reloads_from_disk
 from subprocess_helpers import last_json, run_python
 
@@ -460,7 +460,6 @@ def test_status_says_skipped_when_nothing_reached_the_engine_constructor(
 
 
 def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
-    import importlib.util
 
     from trl_vlm_fixes.engine_args import _builds_engine
 
@@ -469,16 +468,7 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
         "    def text_only(self):\n        return 'LLM(model)'\n"
         "    def attribute(self):\n        self.llm = vllm.LLM()\n"
     )
-    path = tmp_path / "drifted_builders.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("drifted_builders", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with module_from_source(tmp_path, "drifted_builders", source) as module:
         assert _builds_engine(module.A.spaced) is None
         assert "no longer builds" in (_builds_engine(module.A.text_only) or "")
         assert "no longer builds" in (_builds_engine(module.A.attribute) or "")  # we could not inject there
-    finally:
-        del sys.modules[spec.name]

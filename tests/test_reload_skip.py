@@ -370,28 +370,17 @@ def test_fingerprint_sees_and_misses_exactly_what_its_docstring_says() -> None:
 )
 def test_source_guards_are_structural(tmp_path: Any, body: str, shape: str | None, upstream: str | None) -> None:
     """A modified copy of TRL's generate: quotes, spacing and line breaks change nothing; a string is not a call."""
-    import importlib.util
+    from source_modules import module_from_source
 
     from trl_vlm_fixes.patches.reload_skip import _reload_shape, _upstream_repushes
 
     source = f"class VLLMGeneration:\n    def generate(self):\n        {body}\n"
-    path = tmp_path / "modified_vllm_generation.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("modified_vllm_generation", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with module_from_source(tmp_path, "modified_vllm_generation", source) as module:
         generate = module.VLLMGeneration.generate
         problem = _reload_shape(generate)
         assert (problem is None) if shape is None else (shape in (problem or ""))
         verdict = _upstream_repushes(generate)
         assert (verdict is None) if upstream is None else (upstream in (verdict or ""))
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_source_guards_on_the_installed_trl() -> None:

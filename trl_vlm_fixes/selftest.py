@@ -114,6 +114,37 @@ def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
     return _off_then_on("reload_skip", measure, bug, fix)
 
 
+def check_gdn_prefill(model_dir: Path, processor: Any) -> CheckResult:
+    """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for."""
+    from .patches.gdn_prefill import selected_backend
+    from .rollout_schedule import build_generation
+
+    def measure() -> Any:
+        return build_generation(model_dir, processor).llm.init_kwargs.get("gdn_prefill_backend")
+
+    def bug(backend: Any) -> tuple[bool, str]:
+        return backend is None, (
+            f"fix off: gdn_prefill_backend={backend} (vLLM 0.25.1 then picks FlashInfer's SM90 kernel on Hopper)"
+        )
+
+    def fix(backend: Any) -> tuple[bool, str]:
+        accepted = True
+        try:
+            import dataclasses
+            import typing
+
+            from vllm.engine.arg_utils import EngineArgs
+
+            field = next(f for f in dataclasses.fields(EngineArgs) if f.name == "gdn_prefill_backend")
+            literal = next(a for a in typing.get_args(field.type) if typing.get_origin(a) is typing.Literal)
+            accepted = backend in typing.get_args(literal)
+        except (ImportError, StopIteration):
+            pass
+        return backend == selected_backend() and accepted, f"fix on: gdn_prefill_backend={backend}"
+
+    return _off_then_on("gdn_prefill", measure, bug, fix)
+
+
 def check_vision_token_guard(trainer: Any) -> CheckResult:
     """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
     import torch
@@ -191,6 +222,7 @@ def collect() -> dict[str, Any]:
         "mm_realign": check_mm_realign(trainer, processor),
         "reload_skip": check_reload_skip(model_dir, processor),
         "cudagraph": check_cudagraph(model_dir, processor),
+        "gdn_prefill": check_gdn_prefill(model_dir, processor),
         "vision_token_guard": check_vision_token_guard(
             build_trainer(model_dir, processor, os.path.join(workdir, "loving"), disable_tqdm=True)
         ),
@@ -234,8 +266,14 @@ def run_selftest(as_json: bool = False) -> int:
     quiet = ("transformers", "trl", "accelerate", "datasets", "torch")
     for name in quiet:
         logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = collect()
+    own = logging.getLogger("trl_vlm_fixes")
+    level = own.level
+    own.setLevel(logging.ERROR)  # the engine and trainer lines of the self-test's own tiny runs are not news
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = collect()
+    finally:
+        own.setLevel(level)
     print(json.dumps(report, indent=2) if as_json else render(report))
     return 0 if report["verdict"] == "ok" else 1

@@ -1,7 +1,9 @@
 """cudagraph: build TRL's colocated vLLM engine without CUDA graphs (or with the mode the user selects).
 
-vLLM V1's CUDA-graph decode of Qwen3.5's Gated-DeltaNet layers can wedge mid-step (GPU at 100%, CPU idle, SIGTERM
-ignored). ``compilation_config={"cudagraph_mode": "NONE"}`` keeps torch.compile and drops only the graphs. The value
+A hang of CUDA-graph decode of Qwen3.5's Gated-DeltaNet layers was reported to this project (GPU at 100%, CPU idle,
+SIGTERM ignored) but not reproduced; the documented hang on Hopper is FlashInfer's GDN prefill (see ``gdn_prefill``),
+which runs outside graphs. ``NONE`` stays the default for models with Gated-DeltaNet layers, at a measured 3.1-3.9x
+decode cost; ``compilation_config={"cudagraph_mode": "NONE"}`` keeps torch.compile and drops only the graphs. The value
 is injected at the ``LLM(...)`` call TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is
 mutated after the engine exists and ``enforce_eager`` is never touched.
 """
@@ -10,25 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
-from ..switches import CUDAGRAPH_MODE_VARIABLE
+from ..switches import CUDAGRAPH_MODE_VARIABLE, read_choice
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
 # vLLM 0.25.1's CUDAGraphMode names (checked against the real enum in the tests).
 VALID_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 DEFAULT_MODE = "NONE"
+# measured on an H200 (docs/gpu-results.md, section 3)
 SPEED_NOTE = {
-    "NONE": "no CUDA graphs: no Gated-DeltaNet decode hang; decode about 3-4x slower than vLLM's default graphs, "
-    "about 2x faster than enforce_eager",
-    "PIECEWISE": "piecewise graphs: faster than NONE, but hangs were reported with it (vLLM issue 54331)",
-    "FULL_DECODE_ONLY": "full graphs for decode only: reported to hold (vLLM issue 40969)",
-    "FULL": "full graphs: fastest family, exposed to the decode hang",
-    "FULL_AND_PIECEWISE": "vLLM's default: fastest, exposed to the Gated-DeltaNet decode hang",
+    "NONE": "no CUDA graphs: decode about 3-4x slower than vLLM's default graphs, about 2x faster than enforce_eager",
+    "PIECEWISE": "piecewise graphs: decode about 2x slower than vLLM's default graphs",
+    "FULL_DECODE_ONLY": "full graphs for decode only: the default's decode speed at batch 64, 1.3x slower at 16",
+    "FULL": "full graphs",
+    "FULL_AND_PIECEWISE": "vLLM's default graphs: the fastest decode",
 }
 
 
@@ -38,16 +39,7 @@ class CudagraphModeError(ValueError):
 
 def selected_mode() -> str:
     """The mode from TRL_VLM_FIXES_CUDAGRAPH_MODE (default NONE); anything else fails at once."""
-    raw = os.environ.get(CUDAGRAPH_MODE_VARIABLE, "").strip()
-    if not raw:
-        return DEFAULT_MODE
-    mode = raw.upper()
-    if mode not in VALID_MODES:
-        raise CudagraphModeError(
-            f"{CUDAGRAPH_MODE_VARIABLE}={raw!r} is not a vLLM CUDAGraphMode. Valid names: {', '.join(VALID_MODES)}. "
-            f"Unset it for the default ({DEFAULT_MODE})."
-        )
-    return mode
+    return read_choice(CUDAGRAPH_MODE_VARIABLE, VALID_MODES, DEFAULT_MODE, CudagraphModeError, "a vLLM CUDAGraphMode")
 
 
 def merge_compilation_config(existing: Any, mode: str) -> Any:
@@ -105,7 +97,7 @@ def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
 
 FIX = Fix(
     name="cudagraph",
-    summary="colocated vLLM engine without CUDA graphs (Gated-DeltaNet decode hang)",
+    summary="colocated vLLM engine without CUDA graphs (a reported Gated-DeltaNet decode hang, not reproduced)",
     packages=("trl", "vllm"),
     targets=engine_builder_targets("cudagraph", contribute),
 )

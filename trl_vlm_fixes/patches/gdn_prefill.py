@@ -10,11 +10,11 @@ have Gated-DeltaNet layers; a ``gdn_prefill_backend`` already in the engine argu
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
+from ..switches import read_choice
 
 BACKEND_VARIABLE = "TRL_VLM_FIXES_GDN_PREFILL_BACKEND"
 VALID_BACKENDS = ("triton", "flashinfer")
@@ -27,16 +27,9 @@ class GdnPrefillBackendError(ValueError):
 
 def selected_backend() -> str:
     """The backend from TRL_VLM_FIXES_GDN_PREFILL_BACKEND (default triton); anything else fails at once."""
-    raw = os.environ.get(BACKEND_VARIABLE, "").strip()
-    if not raw:
-        return DEFAULT_BACKEND
-    backend = raw.lower()
-    if backend not in VALID_BACKENDS:
-        raise GdnPrefillBackendError(
-            f"{BACKEND_VARIABLE}={raw!r} is not a GDN prefill backend this plugin selects. Accepted values: "
-            f"{', '.join(VALID_BACKENDS)}. Unset it for the default ({DEFAULT_BACKEND})."
-        )
-    return backend
+    return read_choice(
+        BACKEND_VARIABLE, VALID_BACKENDS, DEFAULT_BACKEND, GdnPrefillBackendError, "a GDN prefill backend we select"
+    )
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
