@@ -28,3 +28,19 @@ def expected_states() -> dict[str, str]:
         "vision_token_guard": "applied",
         "watchdog": "applied",
     }
+
+
+@functools.cache
+def upstream_suppresses_image_token() -> bool:
+    """TRL >= 1.16 suppresses the image pad token in its transformers generate path itself (only that token)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    return "suppress_tokens" in inspect.getsource(GRPOTrainer.__init__)
+
+
+@functools.cache
+def server_builds_engine_in_llm_worker() -> bool:
+    """TRL 1.9.1's `trl vllm-serve` builds its engine in `llm_worker`, where the engine fixes reach it."""
+    import trl.scripts.vllm_serve as vllm_serve
+
+    return hasattr(vllm_serve, "llm_worker")

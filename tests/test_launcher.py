@@ -118,11 +118,14 @@ def write_cli_job(model_dir: Path, tmp_path: Path) -> Path:
 def test_trl_cli_trains_through_the_launcher_and_crashes_without(loving_cli_model: Path, tmp_path: Path) -> None:
     """TRL's own CLI, a tiny VLM whose policy loves its placeholders, the mixed image batch: `trl grpo` crashes at the
     scoring pass on its own and trains both steps through the launcher."""
+    from stack import upstream_suppresses_image_token
+
     config = write_cli_job(loving_cli_model, tmp_path)
     trl = str(Path(sys.executable).parent / "trl")
     plain = run([trl, "grpo", "--config", str(config)], cwd=tmp_path, timeout=400)
-    assert plain.returncode != 0
-    assert "Image features and image tokens do not match" in plain.stderr or "not an iterator" in plain.stderr
+    if not upstream_suppresses_image_token():  # TRL >= 1.16 suppresses the image pad on this path itself
+        assert plain.returncode != 0
+        assert "Image features and image tokens do not match" in plain.stderr or "not an iterator" in plain.stderr
     launched = run([*launcher(), "run", "--", trl, "grpo", "--config", str(config)], cwd=tmp_path, timeout=400)
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert "train_runtime" in launched.stdout + launched.stderr
@@ -168,6 +171,10 @@ print(json.dumps({k: (v if isinstance(v, (str, int, float, bool, type(None), dic
 
 def test_trl_vllm_serve_engine_gets_the_engine_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
+    from stack import server_builds_engine_in_llm_worker
+
+    if not server_builds_engine_in_llm_worker():
+        pytest.skip("this TRL's vllm-serve builds its engine elsewhere: server-mode engine fixes cover TRL 1.9.1")
     script = tmp_path / "serve_worker.py"
     script.write_text(SERVER)
     launched = run([*launcher(), "run", "--", sys.executable, str(script), str(tiny_model_dir)], cwd=tmp_path)

@@ -150,6 +150,7 @@ def _machine(build: Callable[..., Any]) -> type[WeightSchedules]:
     return type("Schedules", (WeightSchedules,), {"build": staticmethod(build)})
 
 
+@bug_present  # TRL >= 1.16: the fix steps aside (a generate after a manual sync and a step runs stale there)
 def test_random_schedules_with_fix(make_generation: Callable[..., Any]) -> None:
     run_state_machine_as_test(_machine(make_generation), settings=SCHEDULE_SETTINGS)
 
@@ -287,7 +288,8 @@ def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir
         assert record["plugin_collectives"] == [], record["plugin_collectives"]
         assert record["on_current_weights"] == record["generates"]
         assert record["disk_reloads"] == 0
-        assert record["full_pushes"] == record["steps"]  # TRL's own sync per step; later turns need no push
+        if upstream_reloads_from_disk():  # the fix acts (TRL >= 1.16 re-pushes every turn itself)
+            assert record["full_pushes"] == record["steps"]  # TRL's own sync per step; later turns need no push
 
 
 @bug_present

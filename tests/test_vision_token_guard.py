@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from stack import upstream_suppresses_image_token
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.tiny_model import SPECIAL_TOKENS
@@ -84,13 +85,21 @@ def metric_values(trainer: Any) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_placeholder_loving_policy_crashes_without_the_guard(
+def test_placeholder_loving_policy_breaks_the_run_without_the_guard(
     loving_model_dir: Path, tmp_path: Path, one_fix_off: Any, kind: str
 ) -> None:
+    """TRL 1.9.1: the scoring pass crashes. TRL >= 1.16 suppresses the image pad itself (transformers path only): the
+    run goes on, but the other placeholders (video pad, vision start/end) reach the model as if they were text."""
     one_fix_off("vision_token_guard")
     trainer = loving_trainer(loving_model_dir, tmp_path, kind)
-    with pytest.raises((TypeError, ValueError, RuntimeError), match=CRASH):
-        trainer.train()
+    if not upstream_suppresses_image_token():
+        with pytest.raises((TypeError, ValueError, RuntimeError), match=CRASH):
+            trainer.train()
+        return
+    banned = placeholder_ids(trainer.processing_class)
+    rollouts = record_rollouts(trainer)
+    trainer.train()
+    assert any(banned & set(row.tolist()) for output in rollouts for row in output["completion_ids"])
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -110,7 +119,10 @@ def test_guard_bans_placeholders_and_training_runs(loving_model_dir: Path, tmp_p
 def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
     loving_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
 ) -> None:
+    from trl_vlm_fixes.patches import vision_token_guard
+
     monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
+    monkeypatch.setattr(vision_token_guard, "_warned", set())  # the first occurrence in this process warns
     trainer = loving_trainer(loving_model_dir, tmp_path, kind)
     banned = placeholder_ids(trainer.processing_class)
     raw = record_raw_samples(trainer)
@@ -147,7 +159,7 @@ def test_vllm_colocate_request_carries_the_ban(loving_model_dir: Path, tmp_path:
     assert "bad_words" not in (trainer.vllm_generation.generation_kwargs or {})  # restored after each rollout
 
 
-def test_vllm_colocate_without_the_guard_crashes(
+def test_vllm_colocate_without_the_guard_crashes(  # TRL bans nothing on the vLLM path, 1.16 included
     loving_model_dir: Path, tmp_path: Path, monkeypatch: Any, one_fix_off: Any
 ) -> None:
     import trl.generation.vllm_generation as vllm_generation
@@ -167,6 +179,7 @@ def test_vllm_colocate_without_the_guard_crashes(
 def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
     """Server mode: the ban travels in the request's generation_kwargs, through JSON, and the user's own stay."""
     import trl.generation.vllm_generation as vllm_generation
+    from datasets import Dataset
 
     requests: list[dict[str, Any]] = []
 
@@ -181,6 +194,10 @@ def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp
 
         def update_named_param(self, name: str, weights: Any) -> None:
             pass
+
+        def update_named_params(self, metadata: Any, params: Any) -> None:  # TRL >= 1.16 pushes in one call
+            for _ in params:
+                pass
 
         def reset_prefix_cache(self) -> None:
             pass
@@ -208,6 +225,8 @@ def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp
         vllm_mode="server",
         generation_kwargs={"bad_words": ["hello"], "top_k": 5},
         vllm_importance_sampling_correction=False,
+        # text prompts: the request's token ban is what is checked (TRL >= 1.16 also ships images to the server)
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]}),
     )
     trainer.train()
     assert trainer.state.global_step == 3 and requests
