@@ -37,7 +37,7 @@ def isolated_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("tiny-qwen35-vlm"))
 
@@ -45,7 +45,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Tiny random checkpoints of the other Qwen VLM families (qwen3_vl, qwen2_5_vl), built once per session."""
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     built: dict[str, Path] = {}
 
@@ -79,7 +79,7 @@ def make_trainer(tiny_model_dir: Path, processor: Any, tmp_path: Path) -> Callab
     """Build a real GRPOTrainer or RLOOTrainer on the tiny model (CPU, float32, no reporting)."""
 
     def build(kind: str = "grpo", **overrides: Any) -> Any:
-        from trl_vlm_fixes.demo import build_trainer
+        from trl_vlm_fixes.selftest.fixtures import build_trainer
 
         return build_trainer(tiny_model_dir, processor, str(tmp_path / kind), kind, **overrides)
 
@@ -104,7 +104,7 @@ def one_fix_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Non
 @pytest.fixture
 def make_generation(tiny_model_dir: Path, processor: Any) -> Callable[..., Any]:
     """TRL's real VLLMGeneration (colocate) on the behavioural engine stand-in."""
-    from trl_vlm_fixes.rollout_schedule import build_generation
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
 
     def build(enable_sleep_mode: bool = True, engine_class: type | None = None) -> Any:
         return build_generation(tiny_model_dir, processor, enable_sleep_mode, engine_class)
@@ -114,7 +114,7 @@ def make_generation(tiny_model_dir: Path, processor: Any) -> Callable[..., Any]:
 
 @pytest.fixture(scope="session")
 def tiny_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen3_text
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen3_text
 
     return build_tiny_qwen3_text(tmp_path_factory.mktemp("tiny-qwen3-text"))
 
@@ -124,7 +124,7 @@ def make_text_generation(tiny_text_model_dir: Path) -> Callable[..., Any]:
     """TRL's real VLLMGeneration (colocate) serving a text model without Gated-DeltaNet layers."""
     from transformers import AutoTokenizer
 
-    from trl_vlm_fixes.rollout_schedule import build_generation
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
 
     def build() -> Any:
         tokenizer = AutoTokenizer.from_pretrained(tiny_text_model_dir)

@@ -20,10 +20,10 @@ def main() -> None:
     from transformers import AutoProcessor
 
     import trl_vlm_fixes  # noqa: F401
-    from trl_vlm_fixes.demo import build_trainer, mixed_rows
     from trl_vlm_fixes.patches.mm_realign import realign_wrapper
-    from trl_vlm_fixes.realign import VisionCountCheck, rebuild_mm_token_type_ids
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.patches.mm_realign.realign import VisionCountCheck, rebuild_mm_token_type_ids
+    from trl_vlm_fixes.selftest.fixtures import build_trainer, mixed_rows
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     workdir = tempfile.mkdtemp()
     model_dir = build_tiny_qwen35_vlm(f"{workdir}/tiny")

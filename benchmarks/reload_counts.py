@@ -14,8 +14,8 @@ def main() -> None:
     from transformers import AutoProcessor
 
     import trl_vlm_fixes
-    from trl_vlm_fixes.rollout_schedule import TrainerLoop, build_generation, run_schedule
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.rollout_schedule import TrainerLoop, build_generation, run_schedule
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     model_dir = build_tiny_qwen35_vlm(tempfile.mkdtemp())
     processor = AutoProcessor.from_pretrained(model_dir)

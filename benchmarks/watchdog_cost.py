@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from trl_vlm_fixes.watchdog import HangContext, Watchdog
+from trl_vlm_fixes.patches.watchdog.timer import HangContext, Watchdog
 
 
 def context() -> HangContext:

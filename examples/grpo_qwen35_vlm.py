@@ -34,8 +34,8 @@ def main() -> int:
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, length_reward, mixed_dataset
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, length_reward, mixed_dataset
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     state = PartialState(cpu=not torch.cuda.is_available())
     # One folder for all ranks: the main process builds the tiny model, the others wait and read it.

@@ -11,8 +11,9 @@ bash scripts/setup_env.sh
 .venv/bin/ruff check trl_vlm_fixes tests examples benchmarks conftest.py
 .venv/bin/mypy
 
-# the package as users get it: a wheel, installed into a fresh environment, its console script answering
-rm -rf dist && .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w dist . >/dev/null
+# the package as users get it: a wheel (built afresh: a stale build/ would carry deleted modules), installed into a
+# fresh environment, its console script answering
+rm -rf build dist && .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w dist . >/dev/null
 wheel=$(ls dist/trl_vlm_fixes-*.whl)
 rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
 .venv-wheel-check/bin/python -m pip install -q --disable-pip-version-check "$wheel"

@@ -1,16 +1,26 @@
-"""The plugin core: import order, idempotence, exact revert, switches, version and structural guards, status."""
+"""The plugin core: import order, idempotence, exact revert, switches, version and structural guards, status, CLI,
+metrics, the engine-arguments mechanism and the trainer-start report."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
-from source_modules import module_from_source
-from stack import expected_reload_skip_state, expected_states, upstream_reloads_from_disk
-from subprocess_helpers import last_json, run_python
+from helpers import (
+    environment_without_switches,
+    expected_reload_skip_state,
+    expected_states,
+    last_json,
+    module_from_source,
+    run_python,
+    upstream_reloads_from_disk,
+)
 
 import trl_vlm_fixes
 
@@ -56,17 +66,23 @@ def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
     }
 
 
-def test_plugin_import_imports_no_heavy_package() -> None:
+def test_plugin_import_imports_no_heavy_package_and_no_harness() -> None:
+    """The import loads the core and the fixes' wrappers only: no torch/trl, no tensor core, no self-test harness."""
     report = last_json(
         run_python(
             """
         import trl_vlm_fixes
-        print(json.dumps(sorted(m for m in ("torch", "trl", "transformers", "vllm") if m in sys.modules)))
+        print(json.dumps({
+            "heavy": sorted(m for m in ("torch", "trl", "transformers", "vllm") if m in sys.modules),
+            "ours": sorted(m for m in sys.modules if m.startswith("trl_vlm_fixes")),
+        }))
     """,
             with_vllm=True,
         )
     )
-    assert report == []
+    assert report["heavy"] == []
+    assert "trl_vlm_fixes.patches.mm_realign" in report["ours"]  # the wrapper, not its tensor core
+    assert not [m for m in report["ours"] if m.startswith("trl_vlm_fixes.selftest") or m.endswith(".realign")]
 
 
 def test_double_import_and_apply_wrap_nothing_twice() -> None:
@@ -372,21 +388,6 @@ def test_metric_counters_stay_bounded_and_exact() -> None:
     assert metrics.drain(owner) == {}
 
 
-def test_selftest_without_trl_names_what_to_install() -> None:
-    result = run_python(
-        """
-        sys.modules["trl"] = None
-        sys.modules["torch"] = None
-        from trl_vlm_fixes.__main__ import main
-        sys.exit(main(["selftest"]))
-        """
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.stderr and len([line for line in lines if "selftest" in line]) == 1
-    assert "torch, trl not installed" in result.stderr and "pip install torch trl" in result.stderr
-
-
 def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touched(
     make_generation: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -395,7 +396,7 @@ def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touch
 
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_vlm_fixes.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
     both_inside = threading.Barrier(2, timeout=60)
     globals_seen: list[Any] = []
@@ -435,8 +436,8 @@ def test_status_says_skipped_when_nothing_reached_the_engine_constructor(
     """An engine built without TRL's LLM(...) call (a drifted TRL): the fix must not keep saying `applied`."""
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_vlm_fixes.engine_standin import StandInLLM
-    from trl_vlm_fixes.rollout_schedule import build_generation
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
 
     innermost = vars(vllm_generation.VLLMGeneration)["_init_vllm"]
     while type(innermost.__wrapped__) is not types.FunctionType:  # below every fix's wrapper (type(): proxies lie)
@@ -472,3 +473,55 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
         assert _builds_engine(module.A.spaced) is None
         assert "no longer builds" in (_builds_engine(module.A.text_only) or "")
         assert "no longer builds" in (_builds_engine(module.A.attribute) or "")  # we could not inject there
+
+
+
+# --- the engine-arguments mechanism and trainer start (engine_args.py, trainer_start.py) -------------------------
+
+
+def test_non_gdn_model_engine_is_built_exactly_as_upstream(make_text_generation: Any, caplog: Any) -> None:
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        with_fixes = dict(make_text_generation().llm.init_kwargs)
+    trl_vlm_fixes.revert()
+    try:
+        upstream = dict(make_text_generation().llm.init_kwargs)
+    finally:
+        trl_vlm_fixes.apply()
+    assert with_fixes == upstream and "compilation_config" not in with_fixes
+    lines = [r.getMessage() for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
+    assert len(lines) == 1 and "exactly as upstream" in lines[0] and "no Gated-DeltaNet layers" in lines[0]
+    assert "cudagraph and gdn_prefill step aside" in lines[0]
+
+
+def test_engine_settings_line_is_shown_without_any_logging_setup(tiny_model_dir: Path) -> None:
+    """One WARNING per engine on stderr through Python's last-resort handler: no logging.basicConfig needed."""
+    code = f"""
+import os, sys
+sys.modules["vllm"] = None
+import trl_vlm_fixes
+from transformers import AutoProcessor
+from trl_vlm_fixes.selftest.rollout_schedule import build_generation
+build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tiny_model_dir)!r}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environment_without_switches(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "builds the colocated vLLM engine" in line]
+    assert len(lines) == 1
+    assert "cudagraph_mode=NONE (" in lines[0] and "3-4x slower" in lines[0]
+    assert "gdn_prefill_backend=triton (" in lines[0]
+
+
+def test_trainer_start_shows_every_final_state_once(make_trainer: Any, caplog: Any, monkeypatch: Any) -> None:
+    from trl_vlm_fixes import trainer_start
+
+    monkeypatch.setattr(trainer_start, "_announced", False)
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        make_trainer("grpo")
+        make_trainer("rloo")
+    lines = [r.getMessage() for r in caplog.records if "python -m trl_vlm_fixes for details" in r.getMessage()]
+    assert len(lines) == 1 and "pending" not in lines[0]
+    for name in trl_vlm_fixes.status()["patches"]:
+        assert f"{name}=" in lines[0]
+    assert "watchdog=applied (1800 s)" in lines[0]

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from trl_vlm_fixes.engine_standin import StandInLLM
 from trl_vlm_fixes.patches.cudagraph import (
     VALID_MODES,
     CudagraphModeError,
     contribute,
     merge_compilation_config,
 )
+from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
 
 def engine_kwargs(make_generation: Callable[..., Any]) -> dict[str, Any]:
@@ -85,8 +85,7 @@ def test_merge_reaches_the_engine_constructor() -> None:
 
     existing = {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}
     kwargs: dict[str, Any] = {"model": "m", "compilation_config": existing}
-    gdn_config = type("Config", (), {"layer_types": ["linear_attention", "full_attention"]})()
-    build = EngineBuild("test", model_config=gdn_config)
+    build = EngineBuild("test", model_config=None)
     contribute(kwargs, build)
     assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
     assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from subprocess_helpers import environment_without_switches
+from helpers import environment_without_switches
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_qwen35_vlm.py"
 

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stack import upstream_reloads_from_disk
-from subprocess_helpers import environment_without_switches
+from helpers import environment_without_switches, upstream_reloads_from_disk
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "grpo_end_to_end.py"
 

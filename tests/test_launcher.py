@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from subprocess_helpers import environment_without_switches
+from helpers import environment_without_switches
 
 PROBE = (
     "import sys, json, wrapt\n"
@@ -95,7 +95,7 @@ def test_every_accelerate_rank_gets_the_fixes(tmp_path: Path) -> None:
 
 def write_cli_job(model_dir: Path, tmp_path: Path) -> Path:
     """A local dataset (parquet, the mixed image rows) and a `trl grpo` YAML config pointing at the tiny model."""
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, mixed_dataset
 
     data = tmp_path / "data"
     data.mkdir()
@@ -118,7 +118,7 @@ def write_cli_job(model_dir: Path, tmp_path: Path) -> Path:
 def test_trl_cli_trains_through_the_launcher_and_crashes_without(loving_cli_model: Path, tmp_path: Path) -> None:
     """TRL's own CLI, a tiny VLM whose policy loves its placeholders, the mixed image batch: `trl grpo` crashes at the
     scoring pass on its own and trains both steps through the launcher."""
-    from stack import upstream_suppresses_image_token
+    from helpers import upstream_suppresses_image_token
 
     config = write_cli_job(loving_cli_model, tmp_path)
     trl = str(Path(sys.executable).parent / "trl")
@@ -138,7 +138,7 @@ def loving_cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     directory = build_tiny_qwen35_vlm(tmp_path_factory.mktemp("cli-loving"))
     model = AutoModelForImageTextToText.from_pretrained(directory)
@@ -171,7 +171,7 @@ print(json.dumps({k: (v if isinstance(v, (str, int, float, bool, type(None), dic
 
 def test_trl_vllm_serve_engine_gets_the_engine_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from stack import server_builds_engine_in_llm_worker
+    from helpers import server_builds_engine_in_llm_worker
 
     if not server_builds_engine_in_llm_worker():
         pytest.skip("this TRL's vllm-serve builds its engine elsewhere: server-mode engine fixes cover TRL 1.9.1")

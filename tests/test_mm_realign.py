@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import trl_vlm_fixes
-from trl_vlm_fixes.batch_scoring import max_batch_vs_alone_gap, score_batch
-from trl_vlm_fixes.demo import MIXED_SAMPLES, conversation, make_image, mixed_rows
-from trl_vlm_fixes.realign import VisionTokenMismatchError, rebuild_mm_token_type_ids
+from trl_vlm_fixes.patches.mm_realign.realign import VisionTokenMismatchError, rebuild_mm_token_type_ids
+from trl_vlm_fixes.selftest.batch_scoring import max_batch_vs_alone_gap, score_batch
+from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, conversation, make_image, mixed_rows
 
 # Orders of the four mixed samples: most crash upstream; the reversed one is scored silently wrong.
 CRASHING_ORDER = [0, 1, 2, 3]
@@ -267,7 +267,7 @@ def test_other_qwen_families_crash_or_misscore_upstream_and_score_exactly_with_f
 ) -> None:
     from transformers import AutoProcessor
 
-    from trl_vlm_fixes.demo import build_trainer
+    from trl_vlm_fixes.selftest.fixtures import build_trainer
 
     model_dir = family_model_dir(family)
     family_processor = AutoProcessor.from_pretrained(model_dir)
@@ -344,7 +344,7 @@ def test_processor_ids_are_authoritative_and_a_failed_lookup_is_retried(make_tra
 
 def test_completion_markers_are_never_rebuilt(processor: Any) -> None:
     """A placeholder the policy sampled stays text in the completion columns; TRL decides those (issue 14)."""
-    from trl_vlm_fixes.realign import realign_prompt_markers
+    from trl_vlm_fixes.patches.mm_realign.realign import realign_prompt_markers
 
     image = processor.image_token_id
     ids = torch.tensor([[0, image, image, 5, image, 6]])

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import upstream_reloads_from_disk
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-from stack import upstream_reloads_from_disk
 
 import trl_vlm_fixes
-from trl_vlm_fixes.engine_standin import StandInLLM, engine_weights_match, trainer_weights
-from trl_vlm_fixes.rollout_schedule import TrainerLoop, run_schedule
+from trl_vlm_fixes.selftest.engine_standin import StandInLLM, engine_weights_match, trainer_weights
+from trl_vlm_fixes.selftest.rollout_schedule import TrainerLoop, run_schedule
 
 bug_present = pytest.mark.skipif(
     not upstream_reloads_from_disk(), reason="this TRL re-pushes discarded weights itself: no reload bug to show"
@@ -164,7 +164,7 @@ def test_random_schedules_find_the_bug_upstream(make_generation: Callable[..., A
 def colocate_sleep_trainer(make_trainer: Any) -> Any:
     """GRPO with use_vllm, colocate, sleep mode, 4 mixed prompts and two rollouts per optimizer step
     (gradient_accumulation_steps=2 > steps_per_generation=1), for 3 steps."""
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, mixed_dataset
 
     return make_trainer(
         "grpo",
@@ -261,7 +261,7 @@ def run_tool_loop_ranks(model_dir: Any, tmp_path: Any, turns: str, env: dict[str
     import sys
     from pathlib import Path
 
-    from subprocess_helpers import environment_without_switches
+    from helpers import environment_without_switches
 
     from conftest import free_port
 
@@ -372,7 +372,7 @@ def test_fingerprint_sees_and_misses_exactly_what_its_docstring_says() -> None:
 )
 def test_source_guards_are_structural(tmp_path: Any, body: str, shape: str | None, upstream: str | None) -> None:
     """A modified copy of TRL's generate: quotes, spacing and line breaks change nothing; a string is not a call."""
-    from source_modules import module_from_source
+    from helpers import module_from_source
 
     from trl_vlm_fixes.patches.reload_skip import _reload_shape, _upstream_repushes
 

@@ -8,11 +8,10 @@ import sys
 from typing import Any
 
 import pytest
-from stack import upstream_reloads_from_disk
-from subprocess_helpers import environment_without_switches
+from helpers import environment_without_switches, run_python, upstream_reloads_from_disk
 
 import trl_vlm_fixes
-from trl_vlm_fixes.selftest import run_selftest
+from trl_vlm_fixes.selftest.runner import run_selftest
 
 
 def _selftest(env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -53,7 +52,7 @@ def test_selftest_reports_a_disabled_fix_without_failing() -> None:
 def test_selftest_fails_when_an_enabled_fix_does_not_work(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import trl_vlm_fixes.realign as realign
+    import trl_vlm_fixes.patches.mm_realign.realign as realign
 
     monkeypatch.setattr(realign, "rebuild_mm_token_type_ids", lambda ids, *a, **k: ids * 0)  # a broken fix
     assert run_selftest() == 1
@@ -65,8 +64,23 @@ def test_selftest_fails_when_an_enabled_fix_does_not_work(
 def test_selftest_reads_the_engine_mode_through_vllms_own_config() -> None:
     """The cudagraph verdict comes from what vLLM's CompilationConfig makes of the engine's arguments."""
     pytest.importorskip("vllm")
-    from trl_vlm_fixes.selftest import engine_cudagraph_mode
+    from trl_vlm_fixes.selftest.runner import engine_cudagraph_mode
 
     assert engine_cudagraph_mode(None) == "vLLM default (graphs on)"
     assert engine_cudagraph_mode({"cudagraph_mode": "NONE"}) == "NONE"
     assert engine_cudagraph_mode({"cudagraph_mode": "piecewise", "mode": 3}) == "PIECEWISE"
+
+
+def test_selftest_without_trl_names_what_to_install() -> None:
+    result = run_python(
+        """
+        sys.modules["trl"] = None
+        sys.modules["torch"] = None
+        from trl_vlm_fixes.__main__ import main
+        sys.exit(main(["selftest"]))
+        """
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and len([line for line in lines if "selftest" in line]) == 1
+    assert "torch, trl not installed" in result.stderr and "pip install torch trl" in result.stderr

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from stack import upstream_suppresses_image_token
+from helpers import upstream_suppresses_image_token
 
 from trl_vlm_fixes import metrics
-from trl_vlm_fixes.tiny_model import SPECIAL_TOKENS
+from trl_vlm_fixes.selftest.tiny_model import SPECIAL_TOKENS
 
 PLACEHOLDERS = SPECIAL_TOKENS[3:]  # vision start/end, image pad, video pad
 CRASH = r"Image features and image tokens do not match|not an iterator|shape mismatch|do not match"
@@ -26,7 +26,7 @@ def loving_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5 VLM with its placeholder rows of lm_head scaled 50x: nearly every token it samples is one."""
     from transformers import AutoModelForImageTextToText
 
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     directory = build_tiny_qwen35_vlm(tmp_path_factory.mktemp("placeholder-loving"))
     model = AutoModelForImageTextToText.from_pretrained(directory)
@@ -45,7 +45,7 @@ def placeholder_ids(processor: Any) -> set[int]:
 def loving_trainer(model_dir: Path, tmp_path: Path, kind: str, **overrides: Any) -> Any:
     from transformers import AutoProcessor
 
-    from trl_vlm_fixes.demo import build_trainer
+    from trl_vlm_fixes.selftest.fixtures import build_trainer
 
     processor = AutoProcessor.from_pretrained(model_dir)
     return build_trainer(model_dir, processor, str(tmp_path / kind), kind, max_steps=3, **overrides)
@@ -144,7 +144,7 @@ def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
 def test_vllm_colocate_request_carries_the_ban(loving_model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_vlm_fixes.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
     class LovingEngine(StandInLLM):
         favourite_token_ids = (261, 259)  # image pad, vision start of the tiny vocabulary
@@ -164,7 +164,7 @@ def test_vllm_colocate_without_the_guard_crashes(  # TRL bans nothing on the vLL
 ) -> None:
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_vlm_fixes.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
     class LovingEngine(StandInLLM):
         favourite_token_ids = (261,)

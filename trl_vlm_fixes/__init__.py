@@ -1,4 +1,4 @@
-"""trl_vlm_fixes: ``import trl_vlm_fixes`` fixes three TRL 1.9.1 + vLLM 0.25.1 bugs of Qwen3.5 VLM GRPO training.
+"""trl_vlm_fixes: ``import trl_vlm_fixes`` fixes the TRL 1.9.1 + vLLM 0.25.1 bugs of Qwen3.5 VLM GRPO training.
 
 Importing this package imports neither torch, trl, transformers nor vllm: each fix attaches when its target module
 is imported (wrapt post-import hooks), so the import order does not matter.

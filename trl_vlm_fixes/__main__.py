@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from .selftest import run_selftest
+        from .selftest.runner import run_selftest
 
         return run_selftest(as_json=args.json)
     from . import REGISTRY, status

@@ -37,8 +37,18 @@ class EngineBuild:
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
 Contribution = Callable[[dict[str, Any], EngineBuild], None]
+# Which engines a contribution is proven for (today: models with Gated-DeltaNet layers); elsewhere it steps aside.
+Scope = Callable[[EngineBuild], bool]
 
-_pending: ContextVar[list[tuple[str, Contribution]] | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
+
+@dataclass(frozen=True)
+class _Contribution:
+    fix_name: str
+    contribute: Contribution
+    acts_on: Scope
+
+
+_pending: ContextVar[list[_Contribution] | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
 def served_model_config(instance: Any, kwargs: dict[str, Any]) -> Any:
     """The config of the model the engine will serve: the trainer's model if it has one, else read from disk."""
     model = getattr(instance, "model", None)
@@ -60,7 +70,7 @@ def served_model_config(instance: Any, kwargs: dict[str, Any]) -> Any:
 class _EngineFactory:
     """Stands in for ``LLM`` inside one call of TRL's engine builder: applies the contributions, builds the engine."""
 
-    def __init__(self, engine_class: Any, instance: Any, caller: str, contributions: list[tuple[str, Contribution]]):
+    def __init__(self, engine_class: Any, instance: Any, caller: str, contributions: list[_Contribution]):
         self.engine_class = engine_class
         self.instance = instance
         self.caller = caller
@@ -69,9 +79,12 @@ class _EngineFactory:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         build = EngineBuild(self.caller, served_model_config(self.instance, kwargs))
-        for name, contribute in self.contributions:
-            contribute(kwargs, build)
-            build.reached.add(name)
+        for contribution in self.contributions:
+            if contribution.acts_on(build):
+                contribution.contribute(kwargs, build)
+            else:
+                build.stepped_aside.append(contribution.fix_name)
+            build.reached.add(contribution.fix_name)
         self.builds.append(build)
         global last_engine_settings
         last_engine_settings = describe(build)
@@ -148,9 +161,7 @@ def _called_by_trl_vllm_serve() -> bool:
     return False
 
 
-def engine_builder_wrapper(
-    fix_name: str, target_key: str, caller: str, contribute: Contribution, server: bool = False
-) -> Callable:
+def engine_builder_wrapper(target_key: str, caller: str, contribution: _Contribution, server: bool = False) -> Callable:
     """The wrapt wrapper one fix puts on a TRL method that calls ``LLM(...)``, or (``server``) on ``LLM.__init__``,
     acting there only when ``trl vllm-serve`` builds its engine."""
 
@@ -162,7 +173,7 @@ def engine_builder_wrapper(
         if contributions is None:
             contributions = []
             token = _pending.set(contributions)
-        contributions.append((fix_name, contribute))
+        contributions.append(contribution)
         factories: list[_EngineFactory] = []
         try:
             if server and _is_plain_method(wrapped):  # LLM.__init__ itself: edit the arguments, then build
@@ -182,9 +193,9 @@ def engine_builder_wrapper(
                 _pending.reset(token)
         if _is_plain_method(wrapped) and getattr(instance, "llm", None) is not None:
             reached = {name for factory in factories for build in factory.builds for name in build.reached}
-            for name, _ in contributions:
-                if name not in reached:
-                    _report_missed(name, target_key, caller)
+            for missed in contributions:
+                if missed.fix_name not in reached:
+                    _report_missed(missed.fix_name, target_key, caller)
         return result
 
     return wrapper
@@ -216,14 +227,16 @@ ENGINE_BUILDERS = (
 SERVER_ENGINE = ("vllm.entrypoints.llm", "LLM.__init__")
 
 
-def engine_builder_targets(fix_name: str, contribute: Contribution) -> tuple[Target, ...]:
+def engine_builder_targets(fix_name: str, contribute: Contribution, acts_on: Scope) -> tuple[Target, ...]:
     """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
-    engine ``trl vllm-serve`` builds."""
+    engine ``trl vllm-serve`` builds. ``contribute`` runs for the engines ``acts_on`` accepts; for the others the fix
+    steps aside and the engine's log line says so."""
+    contribution = _Contribution(fix_name, contribute, acts_on)
     colocated = tuple(
         Target(
             module=module,
             qualname=qualname,
-            wrapper=engine_builder_wrapper(fix_name, f"{module}:{qualname}", caller, contribute),
+            wrapper=engine_builder_wrapper(f"{module}:{qualname}", caller, contribution),
             shape_problem=_builds_engine,
             optional=optional,
         )
@@ -233,7 +246,7 @@ def engine_builder_targets(fix_name: str, contribute: Contribution) -> tuple[Tar
     server = Target(
         module=module,
         qualname=qualname,
-        wrapper=engine_builder_wrapper(fix_name, f"{module}:{qualname}", "trl vllm-serve", contribute, server=True),
+        wrapper=engine_builder_wrapper(f"{module}:{qualname}", "trl vllm-serve", contribution, server=True),
         optional=True,
     )
     return (*colocated, server)

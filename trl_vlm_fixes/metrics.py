@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .registry import Target, on_trainers
+
 PREFIX = "trl_vlm_fixes/"
 REALIGNED_ROWS = PREFIX + "mm_realigned_rows"
 WEIGHT_REPUSHES = PREFIX + "weight_repushes"
@@ -55,10 +57,5 @@ def flush_into_trainer_log(
     return wrapped(*args, **kwargs)
 
 
-def support_targets() -> tuple[Any, ...]:
-    from .registry import Target
-
-    return tuple(
-        Target(module=module, qualname=f"{cls}.log", wrapper=flush_into_trainer_log)
-        for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
-    )
+def support_targets() -> tuple[Target, ...]:
+    return on_trainers({"log": flush_into_trainer_log})

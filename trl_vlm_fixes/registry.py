@@ -65,11 +65,26 @@ class Target:
         return f"{self.module}:{self.qualname}"
 
 
+# The trainers whose VLM rollouts the fixes serve: (module, class)
+TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+
+
+def on_trainers(wrappers: dict[str, WrapperFunction], **options: Any) -> tuple[Target, ...]:
+    """The same wrappers (method name -> wrapper) on every class of ``TRAINERS``, in that order."""
+    return tuple(
+        Target(module, f"{cls}.{method}", wrapper, **options)
+        for module, cls in TRAINERS
+        for method, wrapper in wrappers.items()
+    )
+
+
 @dataclass(frozen=True)
 class Fix:
+    """One fix as every module of ``patches/`` declares it: ``FIX = Fix(name, summary, packages, targets)``."""
+
     name: str
     summary: str
-    packages: tuple[str, ...]
+    packages: tuple[str, ...]  # whose validated versions the fix was proven on (a drift warns)
     targets: tuple[Target, ...]
 
     @property

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .registry import Target, on_trainers
+
 LOGGER = logging.getLogger("trl_vlm_fixes")
 _announced = False
 
@@ -48,10 +50,5 @@ def _after_init(trainer: Any) -> None:
     LOGGER.warning("trl_vlm_fixes %s: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
 
 
-def support_targets() -> tuple[Any, ...]:
-    from .registry import Target
-
-    return tuple(
-        Target(module=module, qualname=f"{cls}.__init__", wrapper=after_trainer_init)
-        for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
-    )
+def support_targets() -> tuple[Target, ...]:
+    return on_trainers({"__init__": after_trainer_init})

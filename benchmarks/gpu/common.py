@@ -54,7 +54,7 @@ def force_triton_gdn_prefill() -> None:
 
 def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: int = 0) -> Path:
     """A random Qwen3.5 VLM with the real 3:1 linear/full attention layout, head dims vLLM's kernels accept."""
-    from trl_vlm_fixes.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     heads = max(2, hidden // 128)
     text = {

@@ -51,7 +51,7 @@ def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) 
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, mixed_dataset
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, mixed_dataset
 
     processor = AutoProcessor.from_pretrained(model_dir)
     on_gpu = torch.cuda.is_available() and not stand_in
@@ -98,7 +98,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     if stand_in:
         import trl.generation.vllm_generation as vllm_generation
 
-        from trl_vlm_fixes.engine_standin import StandInLLM
+        from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
         setattr(vllm_generation, "LLM", StandInLLM)  # noqa: B010 - vllm_generation.LLM is typed as the real class
     else:

@@ -12,7 +12,11 @@ import sys
 
 import torch
 
-from trl_vlm_fixes.realign import VisionCountCheck, VisionTokenMismatchError, rebuild_mm_token_type_ids
+from trl_vlm_fixes.patches.mm_realign.realign import (
+    VisionCountCheck,
+    VisionTokenMismatchError,
+    rebuild_mm_token_type_ids,
+)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ def child(limit: float, output_dir: str) -> None:
     import triton
     import triton.language as tl
 
-    from trl_vlm_fixes.watchdog import WATCHDOG, HangContext
+    from trl_vlm_fixes.patches.watchdog.timer import WATCHDOG, HangContext
 
     @triton.jit
     def spin(flag_ptr):  # type: ignore[no-untyped-def]

@@ -46,17 +46,11 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     started = time.perf_counter()
+    # a GRPO run's colocated, sleeping engine, kept small: the question is only which weights it serves
+    engine = {"mode": "colocate", "enable_sleep_mode": True, "gpu_memory_utilization": 0.3, "max_model_length": 512}
+    sampling = {"max_num_seqs": 8, "max_completion_length": 16, "temperature": 1.0}
     generation = VLLMGeneration(
-        model=model,
-        accelerator=Accelerator(),
-        processing_class=processor,
-        mode="colocate",
-        enable_sleep_mode=True,
-        gpu_memory_utilization=0.3,
-        max_model_length=512,
-        max_num_seqs=8,
-        max_completion_length=16,
-        temperature=1.0,
+        model=model, accelerator=Accelerator(), processing_class=processor, **engine, **sampling
     )
     engine_start_s = time.perf_counter() - started
     recorder = RolloutRecorder(generation.llm, model.lm_head.weight)

@@ -19,8 +19,8 @@ def main() -> int:
     from transformers import AutoProcessor
     from trl.generation import vllm_generation
 
-    from trl_vlm_fixes.demo import MIXED_SAMPLES, build_trainer, mixed_dataset
-    from trl_vlm_fixes.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, build_trainer, mixed_dataset
 
     class WedgedEngine(StandInLLM):
         def generate(self, *args: Any, **kwargs: Any) -> Any:

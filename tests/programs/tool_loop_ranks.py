@@ -65,7 +65,7 @@ def main() -> int:
     from trl.chat_template_utils import qwen3_5_nothink_chat_template
     from trl.generation import vllm_generation
 
-    from trl_vlm_fixes.engine_standin import StandInLLM, engine_weights_match, trainer_weights
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM, engine_weights_match, trainer_weights
 
     processor = AutoProcessor.from_pretrained(model_dir)
     processor.chat_template = processor.tokenizer.chat_template = qwen3_5_nothink_chat_template

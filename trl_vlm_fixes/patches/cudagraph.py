@@ -42,6 +42,13 @@ def selected_mode() -> str:
     return read_choice(CUDAGRAPH_MODE_VARIABLE, VALID_MODES, DEFAULT_MODE, CudagraphModeError, "a vLLM CUDAGraphMode")
 
 
+def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
+    """Merge the selected ``cudagraph_mode`` into the engine's compilation config."""
+    mode = selected_mode()
+    kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
+    build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {CUDAGRAPH_MODE_VARIABLE} to choose)")
+
+
 def merge_compilation_config(existing: Any, mode: str) -> Any:
     """Add ``cudagraph_mode`` to whatever compilation config is there, keeping its other fields."""
     if existing is None:
@@ -85,19 +92,9 @@ def _warn_override(previous: Any, mode: str) -> None:
         )
 
 
-def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Merge the selected ``cudagraph_mode`` into the engine's compilation config (Gated-DeltaNet models only)."""
-    if not serves_gated_deltanet(build):
-        build.stepped_aside.append("cudagraph")
-        return
-    mode = selected_mode()
-    kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
-    build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {CUDAGRAPH_MODE_VARIABLE} to choose)")
-
-
 FIX = Fix(
     name="cudagraph",
     summary="colocated vLLM engine without CUDA graphs (a reported Gated-DeltaNet decode hang, not reproduced)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets("cudagraph", contribute),
+    targets=engine_builder_targets("cudagraph", contribute, acts_on=serves_gated_deltanet),
 )

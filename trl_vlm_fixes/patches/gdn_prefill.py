@@ -33,9 +33,7 @@ def selected_backend() -> str:
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    if not serves_gated_deltanet(build):
-        build.stepped_aside.append("gdn_prefill")
-        return
+    """Select the prefill backend, unless the engine arguments already name one."""
     if kwargs.get("gdn_prefill_backend") is not None:
         build.changes.append(f"gdn_prefill_backend={kwargs['gdn_prefill_backend']} (passed to the engine; kept)")
         return
@@ -49,5 +47,5 @@ FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets("gdn_prefill", contribute),
+    targets=engine_builder_targets("gdn_prefill", contribute, acts_on=serves_gated_deltanet),
 )

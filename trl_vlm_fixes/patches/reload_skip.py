@@ -28,7 +28,7 @@ from typing import Any
 import wrapt
 
 from .. import metrics
-from ..registry import Fix, Target
+from ..registry import Fix, Target, on_trainers
 from ..source_shape import calls_method, function_tree
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -246,7 +246,6 @@ FIX = Fix(
     targets=(
         _target(_MODULE, "VLLMGeneration.generate", generate_wrapper),
         _target(_MODULE, "VLLMGeneration.sync_weights", sync_weights_wrapper),
-        _target("trl.trainer.grpo_trainer", "GRPOTrainer._generate", rollout_wrapper),
-        _target("trl.trainer.rloo_trainer", "RLOOTrainer._generate", rollout_wrapper),
+        *on_trainers({"_generate": rollout_wrapper}, shape_problem=_reload_shape, upstream_fixed=_upstream_repushes),
     ),
 )

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import metrics
-from ..registry import Fix, Target
+from ..registry import Fix, on_trainers
 from ..switches import VISION_TOKEN_BAN_SWITCH, read_bool
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -200,17 +200,9 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return output
 
 
-def _targets() -> tuple[Target, ...]:
-    targets = []
-    for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer")):
-        targets.append(Target(module, f"{cls}._generate", rollout_wrapper))
-        targets.append(Target(module, f"{cls}._generate_and_score_completions", scoring_wrapper))
-    return tuple(targets)
-
-
 FIX = Fix(
     name="vision_token_guard",
     summary="sampled vision placeholder tokens are banned, and masked out of the loss if one still gets through",
     packages=("trl",),
-    targets=_targets(),
+    targets=on_trainers({"_generate": rollout_wrapper, "_generate_and_score_completions": scoring_wrapper}),
 )

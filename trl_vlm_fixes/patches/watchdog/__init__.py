@@ -2,7 +2,7 @@
 
 ``TRL_VLM_FIXES_WATCHDOG`` = seconds (default 1800, ``0`` off: then nothing is wrapped and no thread exists). A generate
 that runs past it ends the process with exit code 75 after writing every thread's stack, the step and the engine
-settings (``trl_vlm_fixes.watchdog``).
+settings (``timer.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import engine_args
-from ..registry import Fix, Target
-from ..switches import watchdog_seconds
-from ..watchdog import WATCHDOG, HangContext
+from ... import engine_args
+from ...registry import Fix, Target
+from ...switches import watchdog_seconds
+from .timer import WATCHDOG, HangContext
 
 _MODULE = "trl.generation.vllm_generation"
 LIKELY_CAUSE = (

@@ -39,7 +39,7 @@ def _off_then_on(
     judge_bug: Callable[[Any], tuple[bool, str]],
     judge_fix: Callable[[Any], tuple[bool, str]],
 ) -> CheckResult:
-    from . import REGISTRY, apply, revert
+    from .. import REGISTRY, apply, revert
 
     started = time.perf_counter()
     revert()
@@ -59,7 +59,7 @@ def _off_then_on(
 
 def check_mm_realign(trainer: Any, processor: Any) -> CheckResult:
     from .batch_scoring import max_batch_vs_alone_gap
-    from .demo import mixed_rows
+    from .fixtures import mixed_rows
 
     rows = mixed_rows()
 
@@ -116,7 +116,7 @@ def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
 
 def check_gdn_prefill(model_dir: Path, processor: Any) -> CheckResult:
     """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for."""
-    from .patches.gdn_prefill import selected_backend
+    from ..patches.gdn_prefill import selected_backend
     from .rollout_schedule import build_generation
 
     def measure() -> Any:
@@ -149,9 +149,9 @@ def check_vision_token_guard(trainer: Any) -> CheckResult:
     """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
     import torch
 
+    from ..patches.vision_token_guard import placeholder_tokens
     from .batch_scoring import score_batch
-    from .demo import mixed_rows
-    from .patches.vision_token_guard import placeholder_tokens
+    from .fixtures import mixed_rows
 
     banned = set(placeholder_tokens(trainer))
     with torch.no_grad():
@@ -188,7 +188,7 @@ def engine_cudagraph_mode(config: Any) -> str:
 
 
 def check_cudagraph(model_dir: Path, processor: Any) -> CheckResult:
-    from .patches.cudagraph import selected_mode
+    from ..patches.cudagraph import selected_mode
     from .rollout_schedule import build_generation
 
     def measure() -> str:
@@ -204,14 +204,14 @@ def check_cudagraph(model_dir: Path, processor: Any) -> CheckResult:
 
 
 def collect() -> dict[str, Any]:
-    from . import REGISTRY, __version__
-    from .status import build_status
+    from .. import REGISTRY, __version__
+    from ..status import build_status
 
     REGISTRY.import_targets()
     started = time.perf_counter()
     from transformers import AutoProcessor
 
-    from .demo import build_trainer
+    from .fixtures import build_trainer
     from .tiny_model import build_tiny_qwen35_vlm
 
     workdir = tempfile.mkdtemp(prefix="trl_vlm_fixes_selftest_")

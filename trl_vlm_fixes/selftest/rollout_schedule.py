@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from trl_vlm_fixes.engine_standin import engine_weights_match, trainer_weights
+from .engine_standin import engine_weights_match, trainer_weights
 
 
 class TrainerLoop:

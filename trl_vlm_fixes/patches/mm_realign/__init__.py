@@ -22,8 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import metrics
-from ..registry import Fix, Target
+from ... import metrics
+from ...registry import Fix, on_trainers
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
@@ -150,7 +150,7 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
             reason,
         )
         return wrapped(*args, **kwargs)
-    from ..realign import VisionCountCheck, changed_rows, realign_prompt_markers  # torch: only once TRL runs
+    from .realign import VisionCountCheck, changed_rows, realign_prompt_markers  # torch: only once TRL runs
 
     prompt_columns = input_ids.size(1) - int(bound.arguments.get("logits_to_keep") or 0)
     realigned = realign_prompt_markers(input_ids, markers, prompt_columns, image_id, video_id)
@@ -171,21 +171,9 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return result
 
 
-def _targets() -> tuple[Target, ...]:
-    return tuple(
-        Target(
-            module=module,
-            qualname=f"{cls}.{_TARGET_METHOD}",
-            wrapper=realign_wrapper,
-            required_parameters=_REQUIRED,
-        )
-        for module, cls in (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
-    )
-
-
 FIX = Fix(
     name="mm_realign",
     summary="rebuild mm_token_type_ids from the input_ids the model sees (Qwen3.5, Qwen3-VL, Qwen2.5-VL)",
     packages=("trl",),
-    targets=_targets(),
+    targets=on_trainers({_TARGET_METHOD: realign_wrapper}, required_parameters=_REQUIRED),
 )

@@ -1,4 +1,4 @@
-"""The mixed image batch shared by the example, the self-test and the tests.
+"""Fixtures shared by the self-test, the tests, the example and the benchmarks: the mixed image batch, tiny trainers.
 
 Prompts differ in text length and images differ in size, so the prompt token lengths differ: the case where TRL
 1.9.1's left-padded ``prompt_ids`` and right-padded ``mm_token_type_ids`` stop describing the same columns.

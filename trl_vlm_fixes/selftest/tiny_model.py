@@ -36,6 +36,15 @@ CHAT_TEMPLATE = (
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
+# the text stack of every tiny model here (VLM or text-only): small enough to train in seconds on a CPU
+TINY_TEXT_SHAPE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}
 
 
 def _byte_level_vocab() -> dict[str, int]:
@@ -93,12 +102,7 @@ def build_config(
 
     text_config: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
+        **TINY_TEXT_SHAPE,
         "max_position_embeddings": 4096,
         "rope_parameters": {
             "rope_type": "default",
@@ -162,12 +166,7 @@ def build_tiny_qwen3_text(directory: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
+        **TINY_TEXT_SHAPE,
         pad_token_id=token_ids["<|endoftext|>"],
         eos_token_id=token_ids["<|im_end|>"],
         bos_token_id=token_ids["<|endoftext|>"],

@@ -1,0 +1,117 @@
+"""What the tests share: facts about the installed TRL, fresh interpreters, and modules made from source text.
+
+- Facts about the installed TRL decide which bugs exist here; they are read from its source, as the fixes do.
+- ``run_python`` runs a snippet in a fresh interpreter, so import order and environment switches are tested for real.
+  The snippet is written to a file (so ``inspect.getsource`` works on what it defines). ``with_vllm=False`` hides
+  vLLM from that interpreter: the patching mechanics do not depend on it and its import costs ~6 s per process.
+- ``module_from_source`` imports a modified copy of TRL's code written in a test, and forgets it afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# --- the installed TRL ------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def upstream_reloads_from_disk() -> bool:
+    """True on TRL 1.9.1 (the reload bug exists); False on TRL >= 1.16, which re-pushes itself (the fix steps aside)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return 'collective_rpc("reload_weights")' in inspect.getsource(VLLMGeneration.generate)
+
+
+def expected_reload_skip_state() -> str:
+    return "applied" if upstream_reloads_from_disk() else "not-needed"
+
+
+def expected_states() -> dict[str, str]:
+    """Every fix's state once TRL is imported, with default switches, on this TRL."""
+    return {
+        "mm_realign": "applied",
+        "reload_skip": expected_reload_skip_state(),
+        "cudagraph": "applied",
+        "gdn_prefill": "applied",
+        "vision_token_guard": "applied",
+        "watchdog": "applied",
+    }
+
+
+@functools.cache
+def upstream_suppresses_image_token() -> bool:
+    """TRL >= 1.16 suppresses the image pad token in its transformers generate path itself (only that token)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    return "suppress_tokens" in inspect.getsource(GRPOTrainer.__init__)
+
+
+@functools.cache
+def server_builds_engine_in_llm_worker() -> bool:
+    """TRL 1.9.1's `trl vllm-serve` builds its engine in `llm_worker`, where the engine fixes reach it."""
+    import trl.scripts.vllm_serve as vllm_serve
+
+    return hasattr(vllm_serve, "llm_worker")
+
+
+# --- fresh interpreters ----------------------------------------------------------------------------------------
+
+PRELUDE = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+"""
+HIDE_VLLM = "sys.modules['vllm'] = None\n"
+
+
+def environment_without_switches() -> dict[str, str]:
+    """This process's environment minus every TRL_VLM_FIXES* switch: a child starts from the defaults."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRL_VLM_FIXES")}
+
+
+def run_python(
+    code: str = "", env: dict[str, str] | None = None, args: list[str] | None = None, with_vllm: bool = False
+) -> subprocess.CompletedProcess:
+    environment = {**environment_without_switches(), **(env or {})}
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(PRELUDE + ("" if with_vllm else HIDE_VLLM) + textwrap.dedent(code))
+    command = [sys.executable, *(args or [script.name])]
+    try:
+        return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    finally:
+        os.unlink(script.name)
+
+
+def last_json(result: subprocess.CompletedProcess) -> Any:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# --- modules from source text ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def module_from_source(directory: Path, name: str, source: str) -> Iterator[ModuleType]:
+    path = directory / f"{name}.py"
+    path.write_text(source)  # a real file, so inspect.getsource (and the AST guards) can read it
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]

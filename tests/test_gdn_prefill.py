@@ -1,0 +1,56 @@
+"""gdn_prefill: the colocated engine of a Gated-DeltaNet model gets the Triton/FLA prefill kernel, not FlashInfer's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import run_python
+
+from trl_vlm_fixes.patches.gdn_prefill import VALID_BACKENDS
+
+
+def test_gdn_model_engine_gets_triton_prefill_and_no_graphs(make_generation: Any) -> None:
+    kwargs = make_generation().llm.init_kwargs
+    assert kwargs["gdn_prefill_backend"] == "triton"
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+
+
+@pytest.mark.parametrize("backend", VALID_BACKENDS)
+def test_backend_is_selectable(make_generation: Any, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", backend.upper())
+    assert make_generation().llm.init_kwargs["gdn_prefill_backend"] == backend
+
+
+def test_bad_backend_fails_the_import_naming_the_variable() -> None:
+    result = run_python("import trl_vlm_fixes", env={"TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "cutlass"})
+    assert result.returncode != 0
+    assert "TRL_VLM_FIXES_GDN_PREFILL_BACKEND='cutlass'" in result.stderr and "triton, flashinfer" in result.stderr
+
+
+def test_a_backend_already_in_the_engine_arguments_wins() -> None:
+    from trl_vlm_fixes.engine_args import EngineBuild
+    from trl_vlm_fixes.patches.gdn_prefill import contribute
+
+    kwargs: dict[str, Any] = {"gdn_prefill_backend": "flashinfer"}
+    build = EngineBuild("test", model_config=None)
+    contribute(kwargs, build)
+    assert kwargs["gdn_prefill_backend"] == "flashinfer" and "kept" in build.changes[0]
+
+
+def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off: Any) -> None:
+    one_fix_off("gdn_prefill")
+    kwargs = make_generation().llm.init_kwargs
+    assert "gdn_prefill_backend" not in kwargs and kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+
+
+def test_real_vllm_engine_args_take_both_backends() -> None:
+    pytest.importorskip("vllm")
+    import dataclasses
+    import typing
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    field = next(f for f in dataclasses.fields(EngineArgs) if f.name == "gdn_prefill_backend")
+    literal = next(arg for arg in typing.get_args(field.type) if typing.get_origin(arg) is typing.Literal)
+    assert set(VALID_BACKENDS) <= set(typing.get_args(literal))
