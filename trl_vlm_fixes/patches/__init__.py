@@ -1,4 +1,5 @@
-"""One module per fix; ALL_FIXES is the order in which they are reported."""
+"""One entry per fix, each ending in ``FIX = Fix(...)``: a module, or a package when the fix has a tensor core
+(``mm_realign/realign.py``) or a mechanism of its own (``watchdog/timer.py``). ALL_FIXES is the report order."""
 
 from __future__ import annotations
 
