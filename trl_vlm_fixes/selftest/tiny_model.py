@@ -8,7 +8,7 @@ tower. ``qwen3_5`` (the default) has one Gated-DeltaNet linear-attention layer a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -56,7 +56,26 @@ def _byte_level_vocab() -> dict[str, int]:
     return vocab
 
 
-FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+class FamilyClasses(NamedTuple):
+    """The transformers classes of one Qwen VLM family (looked up by name: transformers is imported lazily)."""
+
+    processor: str
+    video_processor: str
+    config: str
+    model: str
+
+
+FAMILIES = {
+    "qwen3_5": FamilyClasses(
+        "Qwen3VLProcessor", "Qwen3VLVideoProcessor", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"
+    ),
+    "qwen3_vl": FamilyClasses(
+        "Qwen3VLProcessor", "Qwen3VLVideoProcessor", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"
+    ),
+    "qwen2_5_vl": FamilyClasses(
+        "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"
+    ),
+}
 
 
 def build_processor(family: str = "qwen3_5") -> Any:
@@ -72,12 +91,9 @@ def build_processor(family: str = "qwen3_5") -> Any:
     patch = _patch_size(family)
     pixels = {"shortest_edge": 2 * patch * 2 * patch, "longest_edge": 128 * 128}
     shape = {"patch_size": patch, "merge_size": MERGE_SIZE, "temporal_patch_size": 2, "size": pixels}
-    names = {
-        "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
-        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
-        "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
-    }[family]
-    processor_class, video_class = (getattr(transformers, name) for name in names)
+    classes = FAMILIES[family]
+    processor_class = getattr(transformers, classes.processor)
+    video_class = getattr(transformers, classes.video_processor)
     return processor_class(
         image_processor=transformers.Qwen2VLImageProcessorPil(**shape),
         tokenizer=tokenizer,
@@ -143,8 +159,7 @@ def build_config(
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         text_config["bos_token_id"] = token_ids["<|endoftext|>"]
         vision_config.update(window_size=112, fullatt_block_indexes=[0])
-    config_class = {"qwen3_5": "Qwen3_5Config", "qwen3_vl": "Qwen3VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}[family]
-    return getattr(transformers, config_class)(
+    return getattr(transformers, FAMILIES[family].config)(
         text_config={**text_config, **(text or {})},
         vision_config={**vision_config, **(vision or {})},
         image_token_id=token_ids["<|image_pad|>"],
@@ -195,12 +210,7 @@ def build_tiny_qwen35_vlm(
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     torch.manual_seed(seed)
     config = build_config(len(tokenizer), token_ids, text, vision, family)
-    model_class = {
-        "qwen3_5": "Qwen3_5ForConditionalGeneration",
-        "qwen3_vl": "Qwen3VLForConditionalGeneration",
-        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    }[family]
-    model = getattr(transformers, model_class)(config).to(getattr(torch, dtype))
+    model = getattr(transformers, FAMILIES[family].model)(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
     )
