@@ -235,17 +235,16 @@ def _reload_shape(function: Callable[..., Any]) -> str | None:
     return "VLLMGeneration.generate neither reloads from disk nor re-pushes: unknown sleep-mode handling"
 
 
-def _target(module: str, qualname: str, wrapper: Callable[..., Any]) -> Target:
-    return Target(module, qualname, wrapper, shape_problem=_reload_shape, upstream_fixed=_upstream_repushes)
-
+# every target of this fix relies on TRL's generate reloading from disk, and steps aside where TRL re-pushes itself
+_CHECKS: dict[str, Any] = {"shape_problem": _reload_shape, "upstream_fixed": _upstream_repushes}
 
 FIX = Fix(
     name="reload_skip",
     summary="no disk reload in colocate + sleep mode; re-push trained weights whenever sleep discarded them",
     packages=("trl", "vllm"),
     targets=(
-        _target(_MODULE, "VLLMGeneration.generate", generate_wrapper),
-        _target(_MODULE, "VLLMGeneration.sync_weights", sync_weights_wrapper),
-        *on_trainers({"_generate": rollout_wrapper}, shape_problem=_reload_shape, upstream_fixed=_upstream_repushes),
+        Target(_MODULE, "VLLMGeneration.generate", generate_wrapper, **_CHECKS),
+        Target(_MODULE, "VLLMGeneration.sync_weights", sync_weights_wrapper, **_CHECKS),
+        *on_trainers({"_generate": rollout_wrapper}, **_CHECKS),
     ),
 )
