@@ -295,11 +295,12 @@ def test_other_qwen_families_crash_or_misscore_upstream_and_score_exactly_with_f
 def test_unproven_family_is_left_alone_with_one_log_line(
     make_trainer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from trl_vlm_fixes import log_once
     from trl_vlm_fixes.patches import mm_realign
 
     trainer = make_trainer("grpo")
     monkeypatch.setattr(trainer.model.config, "model_type", "glm4v")
-    monkeypatch.setattr(mm_realign, "_stepped_aside", set())
+    monkeypatch.setattr(log_once, "_said", set())
     seen: list[Any] = []
     markers = torch.tensor([[0, 1, 1, 0]])
 

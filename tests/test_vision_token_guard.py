@@ -119,10 +119,10 @@ def test_guard_bans_placeholders_and_training_runs(loving_model_dir: Path, tmp_p
 def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
     loving_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
 ) -> None:
-    from trl_vlm_fixes.patches import vision_token_guard
+    from trl_vlm_fixes import log_once
 
     monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
-    monkeypatch.setattr(vision_token_guard, "_warned", set())  # the first occurrence in this process warns
+    monkeypatch.setattr(log_once, "_said", set())  # the first occurrence in this process warns
     trainer = loving_trainer(loving_model_dir, tmp_path, kind)
     banned = placeholder_ids(trainer.processing_class)
     raw = record_raw_samples(trainer)
@@ -242,9 +242,10 @@ def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp
 def test_text_only_trainer_is_left_alone_with_one_log_line(caplog: Any, monkeypatch: Any) -> None:
     from types import SimpleNamespace
 
+    from trl_vlm_fixes import log_once
     from trl_vlm_fixes.patches import vision_token_guard
 
-    monkeypatch.setattr(vision_token_guard, "_stepped_aside", set())
+    monkeypatch.setattr(log_once, "_said", set())
     text_only = SimpleNamespace(processing_class=SimpleNamespace())  # a plain tokenizer-less processing class
     calls: list[str] = []
     with caplog.at_level("WARNING", logger="trl_vlm_fixes"):

@@ -19,16 +19,14 @@ not match``). The guard has two parts, both around the trainer's ``_generate``:
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import metrics
+from ..log_once import warn_once
 from ..registry import Fix, on_trainers
 from ..switches import VISION_TOKEN_BAN_SWITCH, read_bool
-
-LOGGER = logging.getLogger("trl_vlm_fixes")
 
 # Placeholder tokens of the Qwen VLM processors (image, video, audio placeholders and the vision frame markers)
 KNOWN_PLACEHOLDERS = (
@@ -46,8 +44,6 @@ _TOKEN_ATTRIBUTES = ("image_token", "video_token", "audio_token", "vision_start_
 
 _placeholders: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 _masked_rows: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
-_warned: set[int] = set()
-_stepped_aside: set[str] = set()
 
 
 def placeholder_tokens(trainer: Any) -> dict[int, str]:
@@ -130,15 +126,14 @@ def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, 
                 "tokenizer.pad_token or keep TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN on."
             )
         first = ids[stray[0]]
-        if first not in _warned:
-            _warned.add(first)
-            LOGGER.warning(
-                "trl_vlm_fixes.vision_token_guard: a completion contains the vision placeholder %s (id %d) sampled by "
-                "the policy; it is replaced by the pad token and its row is masked out of the loss (counted in %s).",
-                placeholders[first],
-                first,
-                metrics.VISION_TOKEN_ROWS_MASKED,
-            )
+        warn_once(
+            ("vision_token_guard sampled", first),
+            "trl_vlm_fixes.vision_token_guard: a completion contains the vision placeholder %s (id %d) sampled by "
+            "the policy; it is replaced by the pad token and its row is masked out of the loss (counted in %s).",
+            placeholders[first],
+            first,
+            metrics.VISION_TOKEN_ROWS_MASKED,
+        )
         row_ids = list(ids)
         for i in stray:
             row_ids[i] = pad_id
@@ -165,14 +160,12 @@ def _tool_mask(output: tuple[Any, ...]) -> list[list[int]] | None:
 def _guarded_placeholders(trainer: Any) -> dict[int, str]:
     placeholders = placeholder_tokens(trainer)
     if not placeholders:
-        kind = type(trainer).__name__
-        if kind not in _stepped_aside:
-            _stepped_aside.add(kind)
-            LOGGER.warning(
-                "trl_vlm_fixes.vision_token_guard steps aside for %s: its processing class defines no vision "
-                "placeholder token (a text-only model).",
-                kind,
-            )
+        warn_once(
+            ("vision_token_guard steps aside", type(trainer).__name__),
+            "trl_vlm_fixes.vision_token_guard steps aside for %s: its processing class defines no vision "
+            "placeholder token (a text-only model).",
+            type(trainer).__name__,
+        )
     return placeholders
 
 

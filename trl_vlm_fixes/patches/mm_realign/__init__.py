@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import metrics
+from ...log_once import warn_once
 from ...registry import Fix, on_trainers
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -35,7 +36,6 @@ PROVEN_FAMILIES = frozenset({"qwen3_5", "qwen3_vl", "qwen2_5_vl"})
 
 _pad_ids_cache: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None, int]] = weakref.WeakKeyDictionary()
 _signature_cache: dict[Any, inspect.Signature] = {}
-_stepped_aside: set[str] = set()
 
 
 def _unwrap_model(model: Any) -> Any:
@@ -115,12 +115,6 @@ def _steps_aside(family: str | None, image_id: int | None, video_id: int | None)
     return None
 
 
-def _say_once(key: str, message: str, *args: Any) -> None:
-    if key not in _stepped_aside:
-        _stepped_aside.add(key)
-        LOGGER.warning(message, *args)
-
-
 def _bind(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
     function = getattr(wrapped, "__func__", wrapped)
     signature = _signature_cache.get(function)
@@ -143,8 +137,8 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     family = model_family(model)
     reason = _steps_aside(family, image_id, video_id)
     if reason:
-        _say_once(
-            f"{type(instance).__name__}:{family}",
+        warn_once(
+            ("mm_realign steps aside", type(instance).__name__, family),
             "trl_vlm_fixes.mm_realign steps aside for %s: %s; mm_token_type_ids are left as TRL built them.",
             type(instance).__name__,
             reason,
