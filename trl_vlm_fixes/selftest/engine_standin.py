@@ -86,6 +86,7 @@ class StandInLLM:
         self.tensor_pushes = 0
         self.sleeps: list[int] = []
         self.rollouts: list[dict[str, torch.Tensor]] = []
+        self._tokenizer: Any = None  # for bad_words, loaded on first use
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 4096),  # read by TRL's tool loop
             model_executor=SimpleNamespace(
@@ -153,16 +154,16 @@ class StandInLLM:
             outputs.append(RequestOutput(ids, completions))
         return outputs
 
-
     def banned_token_ids(self, sampling_params: Any) -> set[int]:
         """vLLM's bad_words semantics for single tokens: a word that encodes to one token is never sampled."""
         words = getattr(sampling_params, "bad_words", None) or []
         if not words:
             return set()
-        from transformers import AutoTokenizer
+        if self._tokenizer is None:  # loaded once per engine, as vLLM does, not once per generate
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.init_kwargs["model"])
-        encoded = [tokenizer.encode(word, add_special_tokens=False) for word in words]
+            self._tokenizer = AutoTokenizer.from_pretrained(self.init_kwargs["model"])
+        encoded = [self._tokenizer.encode(word, add_special_tokens=False) for word in words]
         return {ids[0] for ids in encoded if len(ids) == 1}
 
 
