@@ -79,7 +79,7 @@ def test_bad_watchdog_value_fails_the_import(value: str) -> None:
     assert "0 to turn the rollout watchdog off" in result.stderr
 
 
-def test_watchdog_off_means_no_thread_and_no_wrapper(make_generation: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_watchdog_off_means_no_thread_and_no_wrapper() -> None:
     result = run_python(
         """
         import threading
