@@ -175,10 +175,11 @@ def engine_builder_wrapper(target_key: str, caller: str, contribution: _Contribu
             token = _pending.set(contributions)
         contributions.append(contribution)
         factories: list[_EngineFactory] = []
+        innermost = _is_plain_method(wrapped)  # TRL's own function, not another fix's wrapper
         try:
-            if server and _is_plain_method(wrapped):  # LLM.__init__ itself: edit the arguments, then build
+            if server and innermost:  # LLM.__init__ itself: edit the arguments, then build
                 return _EngineFactory(wrapped, None, caller, contributions)(*args, **kwargs)
-            if _is_plain_method(wrapped):
+            if innermost:
 
                 def factory_for(engine_class: Any) -> _EngineFactory:
                     factory = _EngineFactory(engine_class, instance, caller, contributions)
@@ -191,7 +192,7 @@ def engine_builder_wrapper(target_key: str, caller: str, contribution: _Contribu
         finally:
             if token is not None:
                 _pending.reset(token)
-        if _is_plain_method(wrapped) and getattr(instance, "llm", None) is not None:
+        if innermost and getattr(instance, "llm", None) is not None:
             reached = {name for factory in factories for build in factory.builds for name in build.reached}
             for missed in contributions:
                 if missed.fix_name not in reached:
