@@ -57,6 +57,86 @@ def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
     assert last_json_line(launched.stdout) == {"user": "yes", "plugin": True}
 
 
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Python of another environment, without the plugin (an `accelerate` from elsewhere first on PATH)."""
+    environment = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True, timeout=120)
+    python = environment / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import trl_vlm_fixes"], capture_output=True).returncode != 0
+    return python
+
+
+def test_strict_stops_a_python_that_lacks_the_plugin_with_one_line(bare_python: Path, tmp_path: Path) -> None:
+    strict = {"TRL_VLM_FIXES_STRICT": "1"}
+    launched = run([*launcher(), "run", "--", str(bare_python), "-c", "print('ran')"], env=strict, cwd=tmp_path)
+    assert launched.returncode == 1 and launched.stdout == ""
+    [line] = launched.stderr.splitlines()
+    assert line.startswith(f"trl_vlm_fixes: {bare_python} cannot import trl_vlm_fixes: install the plugin there (")
+    assert f"{bare_python} -m pip install " in line and f"the Python that has it ({sys.executable})" in line
+    assert line.endswith("TRL_VLM_FIXES_STRICT=1: exiting.")
+    fine = run([*launcher(), "run", "--", sys.executable, "-c", "print('ran')"], env=strict, cwd=tmp_path)
+    assert fine.returncode == 0 and fine.stdout == "ran\n" and fine.stderr == ""
+
+
+def test_without_strict_one_line_and_the_user_sitecustomize_still_runs(bare_python: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    code = "import os; print(os.environ.get('USER_SITECUSTOMIZE_RAN'))"
+    command = [*launcher(), "run", "--", str(bare_python), "-c", code]
+    launched = run(command, env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert launched.returncode == 0 and launched.stdout == "yes\n", launched.stderr[-2000:]
+    [line] = launched.stderr.splitlines()
+    assert line.startswith(f"trl_vlm_fixes: {bare_python} cannot import trl_vlm_fixes: install the plugin there (")
+    assert line.endswith("Running WITHOUT the fixes (TRL_VLM_FIXES_STRICT=1 stops here).")
+
+
+def test_pythonpath_keeps_every_entry_and_the_bootstrap_once(tmp_path: Path) -> None:
+    """An empty entry is the current directory (a reward module beside the config); a symlink to the bootstrap
+    folder is the bootstrap folder."""
+    from trl_vlm_fixes.launcher import BOOTSTRAP, launch_environment
+
+    job, scripts, first, last = (tmp_path / name for name in ("job", "scripts", "first", "last"))
+    for folder in (job, scripts, first, last):
+        folder.mkdir()
+    (job / "my_rewards.py").write_text("VALUE = 'beside the config'\n")
+    (scripts / "probe.py").write_text(  # not in the job's folder, as a console script (`trl`) is not
+        "import json, os, sys, my_rewards\nprint(json.dumps({'pythonpath': os.environ['PYTHONPATH'], "
+        "'reward': my_rewards.VALUE, 'activation': getattr(sys.modules.get('trl_vlm_fixes'), 'ACTIVATION', None)}))\n"
+    )
+    (tmp_path / "bootstrap-link").symlink_to(BOOTSTRAP, target_is_directory=True)
+    plain_path = os.pathsep.join([str(first), "", str(last)])
+    plain = run([sys.executable, str(scripts / "probe.py")], env={"PYTHONPATH": plain_path}, cwd=job)
+    assert last_json_line(plain.stdout)["reward"] == "beside the config", plain.stderr[-2000:]
+    given = os.pathsep.join([str(first), "", str(tmp_path / "bootstrap-link"), str(last)])
+    command = [*launcher(), "run", "--", sys.executable, str(scripts / "probe.py")]
+    launched = run(command, env={"PYTHONPATH": given}, cwd=job)
+    assert launched.returncode == 0 and "Error in sitecustomize" not in launched.stderr, launched.stderr[-2000:]
+    assert last_json_line(launched.stdout) == {
+        "pythonpath": os.pathsep.join([str(BOOTSTRAP), str(first), "", str(last)]),
+        "reward": "beside the config",
+        "activation": "launcher",
+    }
+    for unset in ({}, {"PYTHONPATH": ""}):  # no entry given: none made up (an empty one would add the directory)
+        assert launch_environment(unset)["PYTHONPATH"] == str(BOOTSTRAP)
+
+
+def test_the_bootstrap_under_two_names_is_skipped_before_the_user_sitecustomize(tmp_path: Path) -> None:
+    """A process that puts the bootstrap folder on its path again under another name (a symlink) still runs the
+    user's `sitecustomize` once, not the bootstrap again."""
+    from trl_vlm_fixes.launcher import BOOTSTRAP
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('user sitecustomize')\n")
+    (tmp_path / "bootstrap-link").symlink_to(BOOTSTRAP, target_is_directory=True)
+    pythonpath = os.pathsep.join([str(tmp_path / "bootstrap-link"), str(BOOTSTRAP), str(site)])
+    started = run([sys.executable, "-c", "print('ran')"], env={"PYTHONPATH": pythonpath}, cwd=tmp_path)
+    assert started.returncode == 0 and started.stderr == "", started.stderr[-2000:]
+    assert started.stdout == "user sitecustomize\nran\n"
+
+
 def test_run_without_a_command_or_with_an_unknown_one_says_so(tmp_path: Path) -> None:
     empty = run([*launcher(), "run"], cwd=tmp_path)
     assert empty.returncode == 2 and "no command given" in empty.stderr

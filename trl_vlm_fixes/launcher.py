@@ -13,13 +13,22 @@ import sys
 from pathlib import Path
 
 BOOTSTRAP = Path(__file__).parent / "bootstrap"
+# the Python that ran the launcher (it has the plugin): the bootstrap names it when COMMAND's Python lacks the plugin
 LAUNCHER_VARIABLE = "TRL_VLM_FIXES_LAUNCHER"
 
 
 def launch_environment(environment: dict[str, str]) -> dict[str, str]:
-    """The environment COMMAND runs in: the bootstrap folder first on PYTHONPATH (once), the rest kept."""
-    paths = [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP)]
-    return {**environment, "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP), *paths]), LAUNCHER_VARIABLE: "1"}
+    """The environment COMMAND runs in: the bootstrap folder first on PYTHONPATH, once, and every other entry as given.
+
+    An empty entry stays: Python reads it as the current directory (a reward module beside the config imports from
+    there). An unset or empty PYTHONPATH adds no entry, so none is made up. The bootstrap folder is recognised by its
+    real path, so a symlinked copy of it is not added twice.
+    """
+    given = environment.get("PYTHONPATH", "")
+    bootstrap = os.path.realpath(BOOTSTRAP)
+    entries = given.split(os.pathsep) if given else []
+    kept = [entry for entry in entries if not entry or os.path.realpath(entry) != bootstrap]
+    return {**environment, "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP), *kept]), LAUNCHER_VARIABLE: sys.executable}
 
 
 def run(command: list[str]) -> int:

@@ -2,8 +2,10 @@
 
 The launcher puts this folder first on ``PYTHONPATH``, as ddtrace-run and opentelemetry-instrument do: Python imports
 ``sitecustomize`` at start-up, so the fixes attach before the program imports TRL. A ``sitecustomize`` that was
-already on the path is found and run afterwards. Nothing here may break the user's program: a failure is reported on
-stderr and the program runs without the fixes (unless TRL_VLM_FIXES_STRICT=1 asked for the failure).
+already on the path is found and run afterwards. A failure to load the fixes is one line on stderr and the program
+runs without them; with TRL_VLM_FIXES_STRICT=1 the same line ends the process with exit status 1. It must end it
+with ``os._exit``: site.py prints and swallows any ``Exception`` from here, and a ``SystemExit`` becomes a fatal
+"Failed to import the site module" with a traceback.
 """
 
 import importlib.machinery
@@ -11,7 +13,30 @@ import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.realpath(__file__))
+_LAUNCHER_VARIABLE = "TRL_VLM_FIXES_LAUNCHER"  # launcher.LAUNCHER_VARIABLE (the plugin may be missing here)
+_STRICT_EXIT = 1
+
+
+def _strict() -> bool:
+    return os.environ.get("TRL_VLM_FIXES_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _install_command() -> str:
+    """How to install the plugin into this Python: from the checkout this bootstrap lives in, if it is one."""
+    checkout = os.path.dirname(os.path.dirname(_HERE))
+    source = checkout if os.path.isfile(os.path.join(checkout, "pyproject.toml")) else "trl_vlm_fixes"
+    return f"{sys.executable} -m pip install {source}"
+
+
+def _problem(error: BaseException) -> str:
+    """What went wrong, in which Python, and the fix: one sentence."""
+    if not isinstance(error, ModuleNotFoundError):
+        return f"{sys.executable} could not load the fixes ({type(error).__name__}: {' '.join(str(error).split())})"
+    launcher = os.environ.get(_LAUNCHER_VARIABLE, "")
+    elsewhere = f", or run the command with the Python that has it ({launcher})" if launcher else ""
+    missing = "trl_vlm_fixes" if error.name == "trl_vlm_fixes" else f"{error.name}, which trl_vlm_fixes needs"
+    return f"{sys.executable} cannot import {missing}: install the plugin there ({_install_command()}){elsewhere}"
 
 
 def _activate() -> None:
@@ -19,16 +44,21 @@ def _activate() -> None:
         import trl_vlm_fixes
 
         trl_vlm_fixes.ACTIVATION = "launcher"
-    except Exception as error:
-        if os.environ.get("TRL_VLM_FIXES_STRICT", "").strip().lower() in ("1", "true", "yes", "on"):
-            raise
-        sys.stderr.write(f"trl_vlm_fixes: the launcher could not load the fixes ({error!r}); running without them.\n")
+    except Exception as error:  # noqa: BLE001 - any failure: one line, then the program without the fixes
+        if _strict():
+            sys.stderr.write(f"trl_vlm_fixes: {_problem(error)}. TRL_VLM_FIXES_STRICT=1: exiting.\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_STRICT_EXIT)
+        sys.stderr.write(
+            f"trl_vlm_fixes: {_problem(error)}. Running WITHOUT the fixes (TRL_VLM_FIXES_STRICT=1 stops here).\n"
+        )
 
 
 def _run_the_next_sitecustomize() -> None:
     """The ``sitecustomize`` that would have run without us (a site-wide or virtualenv one), if any."""
     ours = sys.modules.pop("sitecustomize", None)
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.getcwd()) != _HERE]
+    path = [entry for entry in sys.path if os.path.realpath(entry or os.getcwd()) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         if ours is not None:
