@@ -80,6 +80,12 @@ def record_raw_samples(trainer: Any) -> list[list[int]]:
     return rows
 
 
+def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """The tokens a scored batch trains on (GRPO multiplies in its tool mask)."""
+    mask: torch.Tensor = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
 def metric_values(trainer: Any) -> list[float]:
     return [log[metrics.VISION_TOKEN_ROWS_MASKED] for log in trainer.state.log_history if "loss" in log]
 
@@ -133,8 +139,9 @@ def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
     stray_rows = sum(bool(banned & set(row)) for row in raw)
     assert stray_rows > 0, "the loving model sampled no placeholder: the test shows nothing"
     assert sum(metric_values(trainer)) == stray_rows
-    masked = sum(int((output["completion_mask"].sum(dim=1) == 0).sum()) for output in rollouts)
+    masked = sum(int((loss_mask(output).sum(dim=1) == 0).sum()) for output in rollouts)
     assert masked == stray_rows
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     for output in rollouts:  # no placeholder reaches the model in a completion
         assert not any(banned & set(row.tolist()) for row in output["completion_ids"])
     # the guard's own line (the trainer-start line also names vision_token_guard when this is the first trainer)
@@ -253,3 +260,137 @@ def test_text_only_trainer_is_left_alone_with_one_log_line(caplog: Any, monkeypa
             out = vision_token_guard.rollout_wrapper(lambda: calls.append("x") or ("p", [[1]]), text_only, (), {})
     assert out == ("p", [[1]]) and calls == ["x", "x"]
     assert sum("steps aside" in r.getMessage() for r in caplog.records) == 1
+
+
+# --- a masked row is out of the loss, its normaliser and the advantages ------------------------------------------
+
+
+def one_bad_row_trainer(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> Any:
+    """Ban off, one group of 4 completions of 256 tokens from the engine stand-in: row 0 holds the image pad (261)."""
+    import trl.generation.vllm_generation as vllm_generation
+    from datasets import Dataset
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+
+    class Engine(StandInLLM):
+        favourite_token_ids = (261, 70, 71, 72)  # second token of row r: favourites[r % 4]
+
+    monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
+    monkeypatch.setattr(vllm_generation, "LLM", Engine, raising=False)
+    trainer = loving_trainer(
+        model_dir,
+        tmp_path,
+        kind,
+        use_vllm=True,
+        vllm_mode="colocate",
+        num_generations=4,
+        max_completion_length=256,
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "describe"}]]}),
+    )
+    trainer.reward_funcs = [scores_the_bad_row_highest]
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, read by GRPO's loss
+    return trainer
+
+
+def scores_the_bad_row_highest(completions: list[Any], **_: Any) -> list[float]:
+    """Row 0 far above its siblings: in their group baseline, it would shift every advantage."""
+    return [10.0, 0.0, 1.0, 2.0]
+
+
+def rows_of(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The scored batch restricted to ``rows`` (text prompts: every tensor of the batch is per row, or a scalar)."""
+    size = batch["completion_ids"].shape[0]
+    return {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == size else v for k, v in batch.items()}
+
+
+def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_masked_row_is_out_of_loss_normaliser_and_advantages(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
+) -> None:
+    """The other rows train as if the bad row were not in the batch; no NaN from it.
+
+    Before: RLOO's ``old_logps`` kept the masked row's -1400 nats, the loss's ``exp`` gave inf (NaN gradients on TRL
+    1.9.1); GRPO's ``num_items_in_batch`` counted the masked tokens, scaling the other rows' gradient by 3/4; both put
+    the bad row in its group's baseline (the good rows' advantages did not sum to 0)."""
+    trainer = one_bad_row_trainer(tiny_model_dir, tmp_path, monkeypatch, kind)
+    banned = placeholder_ids(trainer.processing_class)
+    raw = record_raw_samples(trainer)
+    with caplog.at_level("WARNING"):
+        batch = trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "describe"}]}] * 4)
+    assert not any("reward functions returned None" in r.getMessage() for r in caplog.records)  # TRL's, not for us
+    assert [bool(banned & set(row)) for row in raw] == [True, False, False, False]
+    assert batch["completion_ids"].shape[1] >= 254 and not banned & set(batch["completion_ids"].flatten().tolist())
+    good = [1, 2, 3]
+
+    advantages = batch["advantages"]
+    assert advantages[0].item() == 0.0
+    assert advantages[good].sum().item() == pytest.approx(0.0, abs=1e-4)  # centred on the good rows alone
+    assert advantages[good].abs().max().item() > 0.5  # the test has a signal
+    assert loss_mask(batch)[0].sum().item() == 0
+    if kind == "grpo":  # dapo's normaliser: the tokens TRL gathered from the loss mask
+        assert batch["num_items_in_batch"].item() == loss_mask(batch)[good].sum().item()
+
+    loss, grads = loss_and_grads(trainer, batch)
+    assert torch.isfinite(torch.tensor(loss)) and all(torch.isfinite(g).all() for g in grads.values())
+
+    reference = rows_of(batch, good)
+    if kind == "grpo":
+        reference["num_items_in_batch"] = loss_mask(reference).sum()
+    _, expected = loss_and_grads(trainer, reference)
+    # RLOO averages its loss over the device batch (rloo_trainer.py `per_sequence_loss.mean()`): the masked row is a
+    # zero term there, as TRL's own unscorable rows are; GRPO's dapo sums tokens over the gathered token count.
+    scale = 3 / 4 if kind == "rloo" else 1.0
+    assert grads.keys() == expected.keys()
+    # float32 sums in another batch order: a tolerance on the gradient's scale (a few terms cancel to ~1e-5 of it)
+    tolerance = 1e-5 * max(g.abs().max().item() for g in expected.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, scale * expected[name], rtol=1e-4, atol=tolerance, msg=name)
+
+
+def test_masked_rows_score_none_in_every_kind_of_reward_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sync and async functions return None there, a reward model NaN; functions, hooks and log filter put back."""
+    import asyncio
+    import inspect
+    import logging
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import vision_token_guard
+
+    class RewardModel(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return SimpleNamespace(logits=input_ids.float().unsqueeze(1))
+
+    def sync_reward(**_: Any) -> list[float]:
+        return [1.0, 2.0, 3.0]
+
+    async def async_reward(**_: Any) -> list[float]:
+        return [1.0, 2.0, 3.0]
+
+    class Trainer:
+        reward_funcs = [sync_reward, async_reward, RewardModel()]
+
+    trainer = Trainer()
+    original = list(trainer.reward_funcs)
+    monkeypatch.setitem(vision_token_guard._masked_rows, trainer, [1])
+
+    def calculate_rewards() -> tuple[Any, ...]:  # what TRL's _calculate_rewards does with each kind
+        scored, unscored_async, model = trainer.reward_funcs
+        assert isinstance(model, torch.nn.Module) and inspect.iscoroutinefunction(unscored_async)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([1, 2, 3])).logits[:, 0]
+        return scored(), asyncio.run(unscored_async()), logits.tolist()
+
+    scored, scored_async, logits = vision_token_guard.rewards_wrapper(calculate_rewards, trainer, (), {})
+    assert scored == scored_async == [1.0, None, 3.0]
+    assert logits[0] == 1.0 and logits[2] == 3.0 and logits[1] != logits[1]  # NaN
+    assert trainer.reward_funcs == original and not original[2]._forward_hooks
+    assert not logging.getLogger(calculate_rewards.__module__).filters

@@ -4,7 +4,7 @@ A policy can sample its processor's placeholder tokens (``<|video_pad|>``, ``<|i
 modelscope/ms-swift#9287). One such token in one completion ends a multi-day GRPO run at the scoring pass:
 ``get_rope_index`` finds a video marker with no ``video_grid_thw`` (``TypeError: 'NoneType' object is not an
 iterator``) or the image features no longer match the image tokens (``ValueError: Image features and image tokens do
-not match``). The guard has two parts, both around the trainer's ``_generate``:
+not match``). The guard has two parts, both acting where TRL makes and scores a rollout:
 
 - **ban** (``TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN``): while TRL samples, its placeholders are banned on every path
   TRL 1.9.1 has: vLLM colocate and server mode get them in ``bad_words`` (exact single-token bans, JSON-safe, so the
@@ -12,13 +12,25 @@ not match``). The guard has two parts, both around the trainer's ``_generate``:
   kept and ours added; nothing is left on the trainer afterwards. Tokens TRL inserts itself (tool results with
   images) are not sampled and stay untouched.
 - **safety net**: a placeholder that still reaches scoring outside TRL's tool-image path (ban off, a custom
-  ``rollout_func``) is replaced by the pad token before any forward pass, its row is masked out of the loss, counted in
-  ``trl_vlm_fixes/vision_token_rows_masked``, and the first one logs a WARNING naming the token.
+  ``rollout_func``) is replaced by the pad token before any forward pass, counted in
+  ``trl_vlm_fixes/vision_token_rows_masked``, and the first one logs a WARNING naming the token. Its row is then out
+  of everything TRL computes from it, through TRL's own masks, so nothing is corrected after the fact:
+
+  - rewards: every reward function scores it None, TRL's "unscorable" row. TRL gathers the rewards across ranks
+    itself, so every rank's group baselines and reward statistics leave the row out and its advantage is 0, with no
+    collective of ours;
+  - GRPO: its ``tool_mask`` (TRL's mask of the tokens the policy sampled) is 0, so TRL's loss mask, the token count
+    ``num_items_in_batch`` it gathers, and its importance-sampling and entropy statistics leave it out;
+  - RLOO (no tool mask): its ``completion_mask`` and ``old_logps`` are 0, what TRL computes for a row masked before
+    scoring; a masked ``completion_mask`` alone leaves ``old_logps`` at minus hundreds of nats, and ``exp`` of that
+    gap in the loss gives inf and NaN gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -103,7 +115,7 @@ def banned_while_sampling(trainer: Any, placeholders: dict[int, str]) -> Iterato
 
 
 def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, str]) -> Any:
-    """Replace placeholders the policy sampled by the pad token; remember their rows for the loss mask."""
+    """Replace placeholders the policy sampled by the pad token; remember their rows, zero them in GRPO's tool mask."""
     if not (isinstance(output, tuple) and len(output) >= 2 and isinstance(output[1], list)):
         return output
     completion_ids = output[1]
@@ -142,6 +154,11 @@ def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, 
     with contextlib.suppress(TypeError):
         _masked_rows.setdefault(trainer, []).extend(masked)
     metrics.count(trainer, metrics.VISION_TOKEN_ROWS_MASKED, len(masked))
+    if masked and len(output) >= 4 and (output[2] is None or tool_mask is not None):  # GRPO's tool mask slot
+        loss_mask = tool_mask or [[1] * len(ids) for ids in completion_ids]
+        for row in masked:
+            loss_mask[row] = [0] * len(completion_ids[row])
+        output = (*output[:2], loss_mask, *output[3:])
     return output
 
 
@@ -181,21 +198,84 @@ def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
 
 
 def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The trainer's ``_generate_and_score_completions``: rows whose placeholder was replaced get no loss."""
+    """The trainer's ``_generate_and_score_completions``: RLOO's loss gets the masked rows as TRL would mask them."""
     with contextlib.suppress(TypeError):
         _masked_rows.pop(instance, None)
     output = wrapped(*args, **kwargs)
     rows = None
     with contextlib.suppress(TypeError):
         rows = _masked_rows.pop(instance, None)
-    if rows and isinstance(output, dict) and "completion_mask" in output:
+    if rows and isinstance(output, dict) and "old_logps" in output:  # RLOO: its loss reads completion_mask alone
         output["completion_mask"][rows] = 0
+        output["old_logps"][rows] = 0.0  # sum(old_per_token_logps * completion_mask) of a masked row
     return output
+
+
+class _NotOursToReport(logging.Filter):
+    """TRL's "All reward functions returned None" blames the user's reward functions for a row the guard masked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "All reward functions returned None" not in record.getMessage()  # accelerate prefixes "[RANK n]"
+
+
+def _scored_none(func: Any, rows: list[int], hooks: list[Any]) -> Any:
+    """``func`` as TRL calls it, scoring None (NaN for a reward model) on ``rows``."""
+    import torch
+
+    def blank(rewards: list[Any]) -> list[Any]:
+        return [None if row in rows else reward for row, reward in enumerate(rewards)]
+
+    if isinstance(func, torch.nn.Module):  # TRL reads .logits[:, 0], under inference_mode
+
+        def nan_rows(module: Any, args: Any, output: Any) -> None:
+            output.logits[rows] = torch.nan
+
+        hooks.append(func.register_forward_hook(nan_rows))
+        return func
+    if inspect.iscoroutinefunction(func):
+
+        async def scored_async(**kwargs: Any) -> list[Any]:
+            return blank(await func(**kwargs))
+
+        return scored_async
+
+    def scored(**kwargs: Any) -> list[Any]:
+        return blank(func(**kwargs))
+
+    return scored
+
+
+def rewards_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The trainer's ``_calculate_rewards``: masked rows are unscorable before TRL gathers the rewards of all ranks."""
+    rows = None
+    with contextlib.suppress(TypeError):
+        rows = _masked_rows.get(instance)
+    if not rows:
+        return wrapped(*args, **kwargs)
+    funcs = instance.reward_funcs
+    hooks: list[Any] = []
+    trl_logger = logging.getLogger(getattr(wrapped, "__module__", None) or "trl")
+    quiet = _NotOursToReport()
+    instance.reward_funcs = [_scored_none(func, rows, hooks) for func in funcs]
+    trl_logger.addFilter(quiet)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        trl_logger.removeFilter(quiet)
+        instance.reward_funcs = funcs
+        for hook in hooks:
+            hook.remove()
 
 
 FIX = Fix(
     name="vision_token_guard",
     summary="sampled vision placeholder tokens are banned, and masked out of the loss if one still gets through",
     packages=("trl",),
-    targets=on_trainers({"_generate": rollout_wrapper, "_generate_and_score_completions": scoring_wrapper}),
+    targets=on_trainers(
+        {
+            "_generate": rollout_wrapper,
+            "_calculate_rewards": rewards_wrapper,
+            "_generate_and_score_completions": scoring_wrapper,
+        }
+    ),
 )
