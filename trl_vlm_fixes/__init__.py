@@ -13,6 +13,7 @@ from .metrics import support_targets
 from .patches import ALL_FIXES
 from .patches.cudagraph import CudagraphModeError, selected_mode
 from .patches.gdn_prefill import GdnPrefillBackendError, selected_backend
+from .patches.watchdog import selected_limit
 from .registry import FixNotApplicableError, Registry
 from .status import build_status
 from .switches import SwitchValueError
@@ -41,6 +42,7 @@ def apply() -> None:
     """Turn on every fix allowed by the environment switches; a second call changes nothing."""
     selected_mode()  # a bad TRL_VLM_FIXES_CUDAGRAPH_MODE fails at once, not when the engine is built
     selected_backend()  # likewise TRL_VLM_FIXES_GDN_PREFILL_BACKEND
+    selected_limit()  # TRL_VLM_FIXES_WATCHDOG, read here once: generates use this limit until the next apply()
     REGISTRY.apply()
 
 

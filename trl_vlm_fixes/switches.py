@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 MASTER_SWITCH = "TRL_VLM_FIXES"
@@ -56,27 +57,31 @@ def read_bool(variable: str, default: bool) -> bool:
 
 
 WATCHDOG_SWITCH = "TRL_VLM_FIXES_WATCHDOG"
-DEFAULT_WATCHDOG_SECONDS = 1800.0
+DEFAULT_WATCHDOG_SECONDS = 1800.0  # the default limit: the one place it is set
+MIN_WATCHDOG_SECONDS = 10.0  # below this, a slow but healthy generate would end the run
+WATCHDOG_ACCEPTED_VALUES = (
+    f"on/true/yes/1 (the default limit, {DEFAULT_WATCHDOG_SECONDS:g} s), off/false/no/0 (no watchdog), "
+    f"or a number of seconds of at least {MIN_WATCHDOG_SECONDS:g} (any case)"
+)
 
 
 def watchdog_seconds() -> float:
-    """TRL_VLM_FIXES_WATCHDOG: seconds a vLLM generate may run (default 1800); 0 turns the watchdog off."""
+    """TRL_VLM_FIXES_WATCHDOG as seconds a vLLM generate may run, 0 when off; anything else raises."""
     raw = os.environ.get(WATCHDOG_SWITCH)
-    if raw is None or raw.strip() == "":
+    value = (raw or "").strip().lower()
+    if not value or value in _TRUE:
         return DEFAULT_WATCHDOG_SECONDS
-    value = raw.strip().lower()
     if value in _FALSE:
         return 0.0
     try:
         seconds = float(value)
     except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise SwitchValueError(
-            f"{WATCHDOG_SWITCH}={raw!r} is not a number of seconds. Accepted values: a positive number of seconds "
-            f"(default {DEFAULT_WATCHDOG_SECONDS:.0f}), or 0 to turn the rollout watchdog off."
-        )
-    return seconds
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds >= MIN_WATCHDOG_SECONDS:
+        return seconds
+    raise SwitchValueError(
+        f"{WATCHDOG_SWITCH}={raw!r} is not a rollout watchdog setting. Accepted values: {WATCHDOG_ACCEPTED_VALUES}."
+    )
 
 
 # fixes whose own switch is not a boolean: how to read it as "enabled"

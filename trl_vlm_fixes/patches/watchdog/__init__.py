@@ -1,8 +1,9 @@
 """watchdog: every vLLM generate TRL makes (colocate and server mode) runs under the rollout watchdog.
 
-``TRL_VLM_FIXES_WATCHDOG`` = seconds (default 1800, ``0`` off: then nothing is wrapped and no thread exists). A generate
-that runs past it ends the process with exit code 75 after writing every thread's stack, the step and the engine
-settings (``timer.py``).
+``TRL_VLM_FIXES_WATCHDOG`` (``switches.watchdog_seconds``): on (the default limit), off (then nothing is wrapped and no
+thread exists) or a number of seconds >= 10, read once per ``apply()`` (``selected_limit``) so that a run never changes
+its limit halfway. A generate that runs past it ends the process with exit code 75 after writing every thread's
+stack, the step and the engine settings (``timer.py``, ``report.py``, ``backstop.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ LIKELY_CAUSE = (
     "(flashinfer-ai/flashinfer#3986, #2623: TRL_VLM_FIXES_GDN_PREFILL_BACKEND=triton, the default); CUDA-graph decode "
     "(TRL_VLM_FIXES_CUDAGRAPH_MODE=NONE); in server mode, an unreachable or wedged `trl vllm-serve`"
 )
+
+_limit: float | None = None  # set by selected_limit() at apply()
 
 # the trainer that owns each VLLMGeneration (registered when the trainer is built): step and output_dir for reports
 _owners: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -53,8 +56,18 @@ def _context(generation: Any) -> Callable[[], HangContext]:
     return describe
 
 
+def selected_limit() -> float:
+    """Read TRL_VLM_FIXES_WATCHDOG now (apply() calls it: a bad value fails the import); generates use this value."""
+    global _limit
+    _limit = watchdog_seconds()
+    return _limit
+
+
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    token = WATCHDOG.arm(watchdog_seconds(), _context(instance))
+    limit = selected_limit() if _limit is None else _limit
+    if not limit:  # switched off by a later apply() while the wrapper stayed: step aside
+        return wrapped(*args, **kwargs)
+    token = WATCHDOG.arm(limit, _context(instance))
     try:
         return wrapped(*args, **kwargs)
     finally:

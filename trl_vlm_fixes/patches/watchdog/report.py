@@ -1,0 +1,158 @@
+"""What the watchdog does when a deadline passes and Python can run: report wherever it can, then exit 75.
+
+Every output (stderr, the report file in ``output_dir``, logging) runs in a thread of its own within a time budget,
+and any exception it raises is swallowed: ``sys.stderr = None``, a tee without ``fileno``, a hung network filesystem
+or a full stderr pipe cost at most ``WRITE_BUDGET_SECONDS + LOG_BUDGET_SECONDS`` of delay, never the exit. The report
+goes to a private copy of fd 2 taken at the first arm, never through ``sys.stderr``. Where even this cannot run (a C
+call holding the GIL), the C-level backstop armed with the deadline (``backstop.py``) ends the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what restart logic should see
+WRITE_BUDGET_SECONDS = 3.0  # stderr and the report file, written side by side
+LOG_BUDGET_SECONDS = 1.0
+_saved_stderr: int | None = None
+
+
+@dataclass
+class HangContext:
+    """What the report says about the call that hung (filled in lazily, only when it fires)."""
+
+    what: str
+    rank: int
+    step: Any
+    output_dir: str
+    engine_settings: str
+    likely_cause: str
+
+
+def saved_stderr() -> int:
+    """A private copy of fd 2, taken at the first arm: it outlives ``sys.stderr = None``, a tee, a closed fd 2."""
+    global _saved_stderr
+    if _saved_stderr is None:
+        try:
+            _saved_stderr = os.dup(2)
+        except OSError:
+            _saved_stderr = os.open(os.devnull, os.O_WRONLY)
+    return _saved_stderr
+
+
+def fire(seconds: float, describe: Callable[[], HangContext]) -> NoReturn:
+    """Report (each output bounded in time), then end the process with exit code 75."""
+    context = _describe(describe)
+    report = hang_report(seconds, context)
+    path = Path(context.output_dir or ".") / f"trl_vlm_fixes_hang_rank{context.rank}.txt"
+    written: list[Path] = []
+
+    def write_file() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(report + "\n")
+        written.append(path)
+
+    _within(WRITE_BUDGET_SECONDS, [lambda: _write_fd(saved_stderr(), report + "\n"), write_file])
+    _within(LOG_BUDGET_SECONDS, [lambda: _log(seconds, context, written[0] if written else None)])
+    os._exit(EXIT_CODE)
+
+
+def _describe(describe: Callable[[], HangContext]) -> HangContext:
+    try:
+        return describe()
+    except Exception as error:  # noqa: BLE001 - a trainer that is gone must not keep a hung process alive
+        rank = os.environ.get("RANK", "0")
+        return HangContext(
+            what="a call under the rollout watchdog",
+            rank=int(rank) if rank.isdigit() else 0,
+            step="?",
+            output_dir=".",
+            engine_settings="?",
+            likely_cause=f"(could not describe the call: {error!r})",
+        )
+
+
+def _within(budget: float, steps: list[Callable[[], None]]) -> None:
+    """Run each step in a daemon thread of its own and wait at most ``budget`` seconds for all of them."""
+    threads = []
+    for step in steps:
+        thread = threading.Thread(target=_quietly, args=(step,), name="trl_vlm_fixes-watchdog-report", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the C-level backstop still ends the process
+            continue
+        threads.append(thread)
+    end = time.monotonic() + budget
+    for thread in threads:
+        thread.join(max(end - time.monotonic(), 0.0))
+
+
+def _quietly(step: Callable[[], None]) -> None:
+    with contextlib.suppress(Exception):  # a broken stream or handler must not keep a hung process alive
+        step()
+
+
+def _write_fd(fd: int, text: str) -> None:
+    data = text.encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _log(seconds: float, context: HangContext, path: Path | None) -> None:
+    LOGGER.error(
+        "trl_vlm_fixes: %s hung for %g s on rank %s at step %s; stacks in %s. Ending the process with exit code %d so "
+        "restart logic takes over: restart with resume_from_checkpoint. Likely cause: %s",
+        context.what,
+        seconds,
+        context.rank,
+        context.step,
+        path or "stderr (the report file could not be written)",
+        EXIT_CODE,
+        context.likely_cause,
+    )
+    for handler in logging.getLogger().handlers + LOGGER.handlers:
+        handler.flush()
+
+
+def _stacks_with_qualified_names() -> str:
+    """Every thread's Python stack, innermost last, as ``module:Class.function (file:line)``."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"Thread {names.get(ident, ident)}:")
+        stack = []
+        current: Any = frame
+        while current is not None:
+            code = current.f_code
+            qualname = getattr(code, "co_qualname", code.co_name)
+            module = current.f_globals.get("__name__", "?")
+            stack.append(f"  {module}:{qualname} ({code.co_filename}:{current.f_lineno})")
+            current = current.f_back
+        lines.extend(reversed(stack))
+    return "\n".join(lines)
+
+
+def hang_report(seconds: float, context: HangContext) -> str:
+    return "\n".join(
+        [
+            f"trl_vlm_fixes rollout watchdog: {context.what} ran longer than {seconds:g} s "
+            f"(TRL_VLM_FIXES_WATCHDOG) on rank {context.rank} at step {context.step}.",
+            f"engine: {context.engine_settings}",
+            f"likely cause: {context.likely_cause}",
+            f"resume: restart the job with resume_from_checkpoint (the process exits with {EXIT_CODE}, EX_TEMPFAIL).",
+            "",
+            "Python stacks (qualified names):",
+            _stacks_with_qualified_names(),
+        ]
+    )
