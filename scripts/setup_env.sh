@@ -22,6 +22,9 @@ pip install "trl==$trl_version" "transformers==$transformers_version" requests a
 pip install --no-deps "vllm==$vllm_version"
 pip install cbor2 pyzmq aiohttp openai openai-harmony cloudpickle msgspec pybase64 cachetools uvloop py-cpuinfo \
   prometheus_client llguidance xgrammar fastapi partial_json_parser pydantic
+# ... and what its multimodal processor needs to build on the CPU (the engine stand-in runs vLLM's real processor)
+pip install einops loguru blake3
+pip install --no-deps "compressed-tensors==0.17.0"
 pip install --no-deps --no-build-isolation -e . 2>/dev/null || pip install --no-deps -e .
 rm -f "$venv"/.stack-*
 touch "$stamp"

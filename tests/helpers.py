@@ -43,6 +43,7 @@ def expected_states() -> dict[str, str]:
     """Every fix's state once TRL is imported, with default switches, on this TRL."""
     return {
         "mm_realign": "applied",
+        "prompt_parity": "applied",
         "reload_skip": expected_reload_skip_state(),
         "cudagraph": "applied",
         "gdn_prefill": "applied",

@@ -18,6 +18,7 @@ REALIGNED_ROWS = PREFIX + "mm_realigned_rows"
 WEIGHT_REPUSHES = PREFIX + "weight_repushes"
 DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
 VISION_TOKEN_ROWS_MASKED = PREFIX + "vision_token_rows_masked"
+PROMPT_MISMATCH_ROWS = PREFIX + "prompt_mismatch_rows"
 
 # One running total per owner and counter: memory stays bounded whatever logging_steps is, and for owners nobody
 # drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).

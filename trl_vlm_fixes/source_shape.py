@@ -43,10 +43,13 @@ def _calls(tree: ast.AST) -> list[ast.Call]:
     return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
 
 
-def calls_method(tree: ast.AST, method: str, first_argument: str | None = None) -> bool:
-    """Does ``tree`` call ``<anything>.method(...)`` (with a string constant ``first_argument`` when given)?"""
+def calls_method(tree: ast.AST, method: str, first_argument: str | None = None, keyword: str | None = None) -> bool:
+    """Does ``tree`` call ``<anything>.method(...)``, with a string constant ``first_argument`` and passing
+    ``keyword=`` when given?"""
     for call in _calls(tree):
         if not (isinstance(call.func, ast.Attribute) and call.func.attr == method):
+            continue
+        if keyword is not None and not any(k.arg == keyword for k in call.keywords):
             continue
         if first_argument is None:
             return True
@@ -61,9 +64,6 @@ def calls_name(tree: ast.AST, name: str) -> bool:
     return any(isinstance(call.func, ast.Name) and call.func.id == name for call in _calls(tree))
 
 
-def passes_keyword(tree: ast.AST, callee: str, keyword: str) -> bool:
-    """Does a call of ``callee(...)`` in ``tree`` pass ``keyword=`` explicitly?"""
-    return any(
-        isinstance(call.func, ast.Name) and call.func.id == callee and any(k.arg == keyword for k in call.keywords)
-        for call in _calls(tree)
-    )
+def string_constants(tree: ast.AST) -> set[str]:
+    """Every string constant in ``tree`` (dictionary keys such as ``"prompt_token_ids"`` among them)."""
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}

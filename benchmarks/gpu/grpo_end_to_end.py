@@ -8,7 +8,11 @@ Each variant runs in a fresh process:
     on               all fixes (``import trl_vlm_fixes``)
     off              TRL_VLM_FIXES=0: TRL 1.9.1 as released
     reload_skip_off  TRL_VLM_FIXES_RELOAD_SKIP=0: the batch trains (mm_realign), rollouts show the reload bug
+    prompt_parity_off  TRL_VLM_FIXES_PROMPT_PARITY=0: vLLM expands the trainer's expanded image pads again
     PYTHONPATH=.:$SITE python benchmarks/gpu/grpo_end_to_end.py --variants on,off,reload_skip_off --out grpo.json
+Every rollout also records whether the prompt ids vLLM used (``RequestOutput.prompt_token_ids``, which TRL discards)
+equal the ids the trainer scores, row for row, and how long the generate took; every step its
+``sampling/sampling_logp_difference`` mean and max.
 ``--stand-in`` swaps the engine for the behavioural stand-in (CPU dry run of the script itself, no vLLM engine).
 """
 
@@ -38,7 +42,43 @@ VARIANT_SWITCHES = {
     "on": {},
     "off": {"TRL_VLM_FIXES": "0"},
     "reload_skip_off": {"TRL_VLM_FIXES_RELOAD_SKIP": "0"},
+    "prompt_parity_off": {"TRL_VLM_FIXES_PROMPT_PARITY": "0"},
 }
+SAMPLING_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+)
+
+
+class PromptParityRecorder:
+    """Wraps the trainer's ``VLLMGeneration.generate`` (outermost, every fix inside): the trainer's prompt ids in,
+    the prompt ids vLLM reports out, compared row for row, and the generate's wall time."""
+
+    def __init__(self, generation: Any, image_pad_id: int | None, tags: Any) -> None:
+        self.generate, self.image_pad_id, self.tags = generation.generate, image_pad_id, tags
+        self.rollouts: list[dict[str, Any]] = []
+        generation.generate = self._recording
+
+    def _recording(self, prompts: Any, images: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        result = self.generate(prompts, images, *args, **kwargs)
+        seconds = time.perf_counter() - started
+        engine_ids = result[0]
+        pads = [
+            (list(ids).count(self.image_pad_id), list(e).count(self.image_pad_id))
+            for ids, e in zip(prompts, engine_ids, strict=True)
+        ]
+        self.rollouts.append(
+            {
+                **self.tags(),
+                "rows": len(prompts),
+                "identical_rows": sum(list(a) == list(b) for a, b in zip(prompts, engine_ids, strict=True)),
+                "image_pads_trainer_vs_engine": pads,
+                "generate_s": round(seconds, 4),
+            }
+        )
+        return result
 
 
 def varied_reward(completions: list[Any], **_: Any) -> list[float | None]:
@@ -119,6 +159,11 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     result["engine_gdn_prefill_kernels"] = engine_gdn_prefill_kernels(engine)
     model = trainer.accelerator.unwrap_model(trainer.model)
     recorder = RolloutRecorder(engine, model.lm_head.weight, tags=lambda: {"global_step": trainer.state.global_step})
+    parity = PromptParityRecorder(
+        trainer.vllm_generation,
+        getattr(trainer.processing_class, "image_token_id", None),
+        tags=lambda: {"global_step": trainer.state.global_step},
+    )
     started = time.perf_counter()
     try:
         trainer.train()
@@ -131,6 +176,12 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     result["rollouts"] = recorder.rollouts
     result["disk_reloads"] = recorder.disk_reloads
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    result["prompt_parity"] = parity.rollouts
+    result["sampling"] = [
+        {"step": log.get("step"), **{name: log[name] for name in SAMPLING_METRICS if name in log}}
+        for log in trainer.state.log_history
+        if "loss" in log
+    ]
     result["plugin_metrics"] = [
         {key: value for key, value in log.items() if key.startswith("trl_vlm_fixes/")}
         for log in trainer.state.log_history
@@ -142,6 +193,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
 
 def summarize(variant: str, result: dict[str, Any]) -> dict[str, Any]:
     rollouts = result.get("rollouts", [])
+    parity = result.get("prompt_parity", [])
     after_first_step = [r for r in rollouts if r["trainer_moved_from_original"]]
     return {
         "variant": variant,
@@ -153,6 +205,9 @@ def summarize(variant: str, result: dict[str, Any]) -> dict[str, Any]:
         "all_zero": sum(r["all_zero"] for r in rollouts),
         "disk_reloads": result.get("disk_reloads"),
         "cudagraph_mode": result.get("engine_cudagraph_mode"),
+        "identical_prompt_rows": f"{sum(r['identical_rows'] for r in parity)}/{sum(r['rows'] for r in parity)}",
+        "logp_difference_mean": [s.get(SAMPLING_METRICS[0]) for s in result.get("sampling", [])],
+        "logp_difference_max": [s.get(SAMPLING_METRICS[1]) for s in result.get("sampling", [])],
         "error": result.get("error", ""),
     }
 

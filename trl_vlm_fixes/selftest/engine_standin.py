@@ -2,13 +2,16 @@
 
 It models what the reload_skip fix is about, as measured on an H200 with vLLM 0.25.1: level-2 sleep discards the
 weights (they read as zeros after waking), ``collective_rpc("reload_weights")`` restores the checkpoint from disk,
-``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. Its public methods keep
+``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. A prompt with
+``multi_modal_data`` goes through vLLM's own multimodal processor (``vllm_processor``), so the prompt ids it reports
+and samples from are the ones the real engine would use. Its public methods keep
 the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so it cannot drift.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +90,9 @@ class StandInLLM:
         self.sleeps: list[int] = []
         self.rollouts: list[dict[str, torch.Tensor]] = []
         self._tokenizer: Any = None  # for bad_words, loaded on first use
+        # "vllm" once a multimodal prompt went through vLLM's real processor, else why it could not
+        self.mm_processing: str | None = None
+        self.prompts_seen: list[list[int]] = []  # the prompt ids each request was sampled from, as vLLM reports them
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 4096),  # read by TRL's tool loop
             model_executor=SimpleNamespace(
@@ -141,7 +147,8 @@ class StandInLLM:
         want_logprobs = getattr(sampling_params, "logprobs", None) is not None
         outputs = []
         for row, prompt in enumerate(prompts if isinstance(prompts, list) else [prompts]):
-            ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt)
+            ids = self.engine_prompt_ids(prompt)
+            self.prompts_seen.append(ids)
             completions = []
             for k in range(n):
                 # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
@@ -153,6 +160,26 @@ class StandInLLM:
                 completions.append(CompletionOutput(tokens, logprobs))
             outputs.append(RequestOutput(ids, completions))
         return outputs
+
+    def engine_prompt_ids(self, prompt: Any) -> list[int]:
+        """The ids the engine samples from: a multimodal prompt is processed by vLLM's own processor, as in vLLM."""
+        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not mm_data:
+            return ids
+        from .vllm_processor import VllmProcessorUnavailable, engine_prompt_ids
+
+        try:
+            processed = engine_prompt_ids(
+                self.init_kwargs["model"], ids, mm_data, self.init_kwargs.get("mm_processor_kwargs")
+            )
+        except VllmProcessorUnavailable as error:
+            if self.mm_processing is None:
+                warnings.warn(f"engine stand-in reports multimodal prompts unprocessed: {error}", stacklevel=2)
+            self.mm_processing = str(error)
+            return ids
+        self.mm_processing = "vllm"
+        return processed
 
     def banned_token_ids(self, sampling_params: Any) -> set[int]:
         """vLLM's bad_words semantics for single tokens: a word that encodes to one token is never sampled."""

@@ -36,8 +36,8 @@ class CheckResult:
 def _off_then_on(
     name: str,
     measure: Callable[[], Any],
-    judge_bug: Callable[[Any], tuple[bool, str]],
-    judge_fix: Callable[[Any], tuple[bool, str]],
+    judge_bug: Callable[[Any], tuple[bool | None, str]],
+    judge_fix: Callable[[Any], tuple[bool | None, str]],
 ) -> CheckResult:
     from .. import REGISTRY, apply, revert
 
@@ -87,6 +87,44 @@ def check_mm_realign(trainer: Any, processor: Any) -> CheckResult:
         return ok, f"fix on: {describe(outcome)}"
 
     return _off_then_on("mm_realign", measure, bug, fix)
+
+
+def check_prompt_parity(model_dir: Path, processor: Any) -> CheckResult:
+    """Two image prompts through TRL's VLLMGeneration to the engine stand-in, whose prompts go through vLLM's own
+    multimodal processor: how many rows does the engine sample from another prompt than the trainer's?"""
+    from .fixtures import conversation, make_image
+    from .rollout_schedule import build_generation
+
+    images = [make_image(96, 64, 0), make_image(128, 96, 1)]
+    prompts = []
+    for image in images:
+        messages = conversation("what is this?")
+        messages[0]["content"][0]["image"] = image
+        tokenized = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        prompts.append(list(tokenized["input_ids"][0]))
+
+    def measure() -> tuple[int, str | None]:
+        generation = build_generation(model_dir, processor, enable_sleep_mode=False)
+        generation.generate(prompts=prompts, images=[[image] for image in images], num_generations=1)
+        engine = generation.llm
+        return sum(a != b for a, b in zip(engine.prompts_seen, prompts, strict=True)), engine.mm_processing
+
+    def unavailable(processing: str | None) -> str | None:
+        return None if processing == "vllm" else f"vLLM's multimodal processor is unavailable here ({processing})"
+
+    def bug(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
+        differing, processing = outcome
+        if reason := unavailable(processing):
+            return None, reason
+        return differing > 0, f"fix off: vLLM samples {differing}/{len(prompts)} image rows from another prompt"
+
+    def fix(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
+        differing, processing = outcome
+        if reason := unavailable(processing):
+            return None, reason
+        return differing == 0, f"fix on: {len(prompts) - differing}/{len(prompts)} rows identical to the trainer's"
+
+    return _off_then_on("prompt_parity", measure, bug, fix)
 
 
 def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
@@ -220,6 +258,7 @@ def collect() -> dict[str, Any]:
     trainer = build_trainer(model_dir, processor, os.path.join(workdir, "out"), disable_tqdm=True)
     checks = {
         "mm_realign": check_mm_realign(trainer, processor),
+        "prompt_parity": check_prompt_parity(model_dir, processor),
         "reload_skip": check_reload_skip(model_dir, processor),
         "cudagraph": check_cudagraph(model_dir, processor),
         "gdn_prefill": check_gdn_prefill(model_dir, processor),

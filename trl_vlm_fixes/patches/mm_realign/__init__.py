@@ -16,13 +16,13 @@ and one log line says so.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ... import metrics
+from ...call_arguments import bind
 from ...log_once import warn_once
 from ...registry import Fix, on_trainers
 
@@ -35,7 +35,6 @@ _REQUIRED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "num_images", "
 PROVEN_FAMILIES = frozenset({"qwen3_5", "qwen3_vl", "qwen2_5_vl"})
 
 _pad_ids_cache: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None, int]] = weakref.WeakKeyDictionary()
-_signature_cache: dict[Any, inspect.Signature] = {}
 
 
 def _unwrap_model(model: Any) -> Any:
@@ -115,17 +114,8 @@ def _steps_aside(family: str | None, image_id: int | None, video_id: int | None)
     return None
 
 
-def _bind(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
-    function = getattr(wrapped, "__func__", wrapped)
-    signature = _signature_cache.get(function)
-    if signature is None:
-        signature = inspect.signature(wrapped)
-        _signature_cache[function] = signature
-    return signature.bind(*args, **kwargs)
-
-
 def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     markers = bound.arguments.get("mm_token_type_ids")
     input_ids = bound.arguments.get("input_ids")
     if markers is None or input_ids is None:

@@ -1,0 +1,391 @@
+"""prompt_parity on the real trainers: what vLLM's own multimodal processor makes of the prompts TRL sends.
+
+The engine stand-in runs every multimodal prompt through vLLM 0.25.1's real Qwen3.5 processor (``vllm_processor``), so
+the prompt ids it reports are the ones a real engine samples from. With the fix off, each image's N pads come back as
+2N-1 (the bug); with it on, the engine's prompt is the trainer's, row for row, in colocate and server mode, for mixed
+image sizes, several images per prompt, and an image a tool returns.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import module_from_source
+
+from trl_vlm_fixes import metrics
+from trl_vlm_fixes.patches import prompt_parity
+from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, conversation, make_image, mixed_dataset
+
+
+@pytest.fixture
+def recording_engine(monkeypatch: pytest.MonkeyPatch) -> type[StandInLLM]:
+    """The stand-in as TRL's colocated engine; each instance is kept, to read the prompts it sampled from."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    return StandInLLM
+
+
+def record_trainer_prompts(trainer: Any) -> list[list[int]]:
+    """The prompt ids the trainer hands ``VLLMGeneration.generate`` (its own, as it scores them), every call."""
+    sent: list[list[int]] = []
+    generation = trainer.vllm_generation
+    bound = generation.generate  # the class's method, every fix's wrapper included
+
+    def recorder(prompts: list[list[int]], images: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.extend(list(ids) for ids in prompts)
+        return bound(prompts, images, *args, **kwargs)
+
+    generation.generate = recorder
+    return sent
+
+
+def logged(trainer: Any, name: str) -> list[float]:
+    return [log[name] for log in trainer.state.log_history if "loss" in log and name in log]
+
+
+def image_dataset(images_per_prompt: int = 1) -> Any:
+    """The mixed batch (four image sizes, four prompt lengths), with ``images_per_prompt`` images in each prompt."""
+    from datasets import Dataset
+
+    if images_per_prompt == 1:
+        return mixed_dataset(MIXED_SAMPLES)
+    return Dataset.from_dict(
+        {
+            "prompt": [conversation(text, images_per_prompt) for _, _, text in MIXED_SAMPLES],
+            "images": [
+                [make_image(w, h, seed + k) for k in range(images_per_prompt)]
+                for seed, (w, h, _) in enumerate(MIXED_SAMPLES)
+            ],
+        }
+    )
+
+
+def colocate_trainer(make_trainer: Any, kind: str, images_per_prompt: int = 1) -> Any:
+    return make_trainer(
+        kind,
+        use_vllm=True,
+        vllm_mode="colocate",
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        dataset=image_dataset(images_per_prompt),
+    )
+
+
+def pad_count(ids: list[int], pad: int) -> int:
+    return sum(1 for t in ids if t == pad)
+
+
+# --- colocate, GRPO and RLOO -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("images_per_prompt", [1, 2])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_upstream_engine_samples_from_doubly_expanded_prompts(
+    make_trainer: Any, recording_engine: Any, one_fix_off: Any, processor: Any, kind: str, images_per_prompt: int
+) -> None:
+    """Fix off: every image of N pads reaches the engine as 2N-1 pads; rows with an image of N > 1 differ."""
+    one_fix_off("prompt_parity")
+    trainer = colocate_trainer(make_trainer, kind, images_per_prompt)
+    sent = record_trainer_prompts(trainer)
+    trainer.train()
+    engine = trainer.vllm_generation.llm
+    assert engine.mm_processing == "vllm", engine.mm_processing
+    pad = processor.image_token_id
+    assert len(sent) == len(engine.prompts_seen) >= 8
+    for trainer_ids, engine_ids in zip(sent, engine.prompts_seen, strict=True):
+        runs = prompt_parity.count_runs(trainer_ids, pad)
+        assert runs == images_per_prompt
+        assert pad_count(engine_ids, pad) == 2 * pad_count(trainer_ids, pad) - runs
+        assert (engine_ids != trainer_ids) == (pad_count(trainer_ids, pad) > runs)  # a one-pad image survives
+    assert sum(a != b for a, b in zip(sent, engine.prompts_seen, strict=True)) >= len(sent) // 2
+    assert not logged(trainer, metrics.PROMPT_MISMATCH_ROWS)  # no fix, no check
+
+
+@pytest.mark.parametrize("images_per_prompt", [1, 2])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_engine_samples_from_the_trainers_prompt(
+    make_trainer: Any, recording_engine: Any, processor: Any, kind: str, images_per_prompt: int
+) -> None:
+    """Fix on: the engine's prompt ids equal the trainer's, row for row, and the check counts 0 mismatches."""
+    trainer = colocate_trainer(make_trainer, kind, images_per_prompt)
+    sent = record_trainer_prompts(trainer)
+    trainer.train()
+    engine = trainer.vllm_generation.llm
+    assert engine.mm_processing == "vllm", engine.mm_processing
+    assert len(sent) == len(engine.prompts_seen) >= 8
+    assert engine.prompts_seen == sent
+    sizes = {pad_count(ids, processor.image_token_id) for ids in sent}
+    assert len(sizes) >= 3, sizes  # mixed image sizes really reached the engine
+    assert logged(trainer, metrics.PROMPT_MISMATCH_ROWS) == [0.0, 0.0]
+
+
+# --- a tool that returns an image -------------------------------------------------------------------------------
+
+
+def look(text: str) -> list[dict[str, Any]]:
+    """Look at the scene and return what is seen.
+
+    Args:
+        text: what to look at
+    """
+    return [{"type": "image", "image": make_image(96, 64, 3)}, {"type": "text", "text": f"seen {text}"}]
+
+
+@pytest.mark.parametrize("fix_on", [False, True])
+def test_tool_turn_that_adds_an_image(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: Any, one_fix_off: Any, fix_on: bool
+) -> None:
+    """GRPO with a tool whose result holds an image: the second turn's prompt (prompt, completion, tool result with
+    its image) reaches the engine as the trainer built it only with the fix."""
+    import trl.generation.vllm_generation as vllm_generation
+    from transformers import AutoProcessor
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_5_nothink_chat_template
+
+    from trl_vlm_fixes.selftest.fixtures import length_reward
+
+    if not fix_on:
+        one_fix_off("prompt_parity")
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor.chat_template = processor.tokenizer.chat_template = qwen3_5_nothink_chat_template
+    tokenizer = processor.tokenizer
+    call = "<tool_call>\n<function=look>\n<parameter=text>\nsky\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    tool_call = tokenizer(call, add_special_tokens=False)["input_ids"]
+    answer = tokenizer("blue<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    class ScriptedEngine(StandInLLM):
+        """Calls the tool once per rollout, then answers."""
+
+        def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+            outputs = super().generate(prompts, sampling_params, **kwargs)
+            for output in outputs:
+                turn = tokenizer.decode(output.prompt_token_ids).count("<tool_response>")
+                for completion in output.outputs:
+                    completion.token_ids = list(tool_call if turn == 0 else answer)
+                    if completion.logprobs is not None:
+                        completion.logprobs = completion.logprobs[:1] * len(completion.token_ids)
+            return outputs
+
+    monkeypatch.setattr(vllm_generation, "LLM", ScriptedEngine, raising=False)
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "tools"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=256,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        use_vllm=True,
+        vllm_mode="colocate",
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=mixed_dataset(MIXED_SAMPLES[:2]),
+        processing_class=processor,
+        tools=[look],
+    )
+    sent = record_trainer_prompts(trainer)
+    trainer.train()
+    engine = trainer.vllm_generation.llm
+    pad = processor.image_token_id
+    tool_turns = [i for i, ids in enumerate(sent) if "<tool_response>" in tokenizer.decode(ids)]
+    assert tool_turns and engine.mm_processing == "vllm"
+    for i in tool_turns:
+        assert prompt_parity.count_runs(sent[i], pad) == 2  # the prompt's image and the tool's
+        assert (engine.prompts_seen[i] == sent[i]) is fix_on
+    assert (engine.prompts_seen == sent) is fix_on
+
+
+# --- server mode: the request the client sends ------------------------------------------------------------------
+
+
+def test_server_request_carries_one_pad_per_image(
+    make_trainer: Any, processor: Any, tiny_model_dir: Path, monkeypatch: Any
+) -> None:
+    """TRL 1.9.1's client sends ids and images as JSON to `trl vllm-serve`, which builds the same vLLM rows as
+    colocate: the request holds one pad per image, and the prompt vLLM reports is the trainer's."""
+    import trl.generation.vllm_generation as vllm_generation
+    from PIL import Image
+
+    if "server" not in prompt_parity.modes_sending_expanded_ids(vllm_generation.VLLMGeneration.generate):
+        pytest.skip("this TRL's server mode sends processed image features with the expanded ids: nothing to collapse")
+    engine = StandInLLM(str(tiny_model_dir))
+    requests: list[dict[str, Any]] = []
+
+    class Server:
+        """`trl vllm-serve`'s /generate/ on the stand-in: base64 images through JSON, rows built as vllm_serve does."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def init_communicator(self, device: Any = 0) -> None:
+            pass
+
+        def update_named_param(self, name: str, weights: Any) -> None:
+            pass
+
+        def reset_prefix_cache(self) -> None:
+            pass
+
+        def generate(self, prompts: list[list[int]], images: Any = None, n: int = 1, **kwargs: Any) -> Any:
+            def encode(image: Any) -> str:
+                buffer = BytesIO()
+                image.save(buffer, format="PNG")
+                return base64.b64encode(buffer.getvalue()).decode()
+
+            body = json.loads(json.dumps({"prompts": prompts, "images": [[encode(i) for i in row] for row in images]}))
+            requests.append(body)
+            rows = [
+                {
+                    "prompt_token_ids": ids,
+                    "multi_modal_data": {"image": [Image.open(BytesIO(base64.b64decode(i))) for i in imgs]},
+                }
+                for ids, imgs in zip(body["prompts"], body["images"], strict=True)
+            ]
+            outputs = engine.generate(rows, kwargs.get("sampling_params"))
+            return {
+                "prompt_ids": [o.prompt_token_ids for o in outputs],
+                "completion_ids": [[70, 71, 72, 73] for _ in outputs for _ in range(n)],
+                "logprobs": [[[-5.57]] * 4 for _ in outputs for _ in range(n)],
+                "logprob_token_ids": [[[t] for t in (70, 71, 72, 73)] for _ in outputs for _ in range(n)],
+            }
+
+    monkeypatch.setattr(vllm_generation, "VLLMClient", Server, raising=False)
+    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    trainer = make_trainer(
+        "grpo",
+        use_vllm=True,
+        vllm_mode="server",
+        max_steps=2,
+        per_device_train_batch_size=8,
+        vllm_importance_sampling_correction=False,
+        dataset=mixed_dataset(MIXED_SAMPLES),
+    )
+    sent = record_trainer_prompts(trainer)
+    trainer.train()
+    pad = processor.image_token_id
+    assert requests and all(row.count(pad) == 1 for request in requests for row in request["prompts"])
+    assert engine.mm_processing == "vllm"
+    trainer_rows = sent[::2]  # the server generates each prompt once, n times
+    assert engine.prompts_seen == trainer_rows
+    assert logged(trainer, metrics.PROMPT_MISMATCH_ROWS) == [0.0, 0.0]
+
+
+# --- the parity check ------------------------------------------------------------------------------------------
+
+
+def test_a_processor_setting_the_engine_never_got_is_counted_and_logged_once(
+    make_trainer: Any, recording_engine: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """The trainer's processor resizes images smaller than the engine's (max_pixels set on the trainer's side only):
+    every image row differs, is counted, and one line names the row, both lengths and the cause."""
+    from trl_vlm_fixes import log_once
+
+    monkeypatch.setattr(log_once, "_said", set())
+    trainer = colocate_trainer(make_trainer, "grpo")
+    trainer.processing_class.image_processor.max_pixels = 32 * 32
+    trainer.processing_class.image_processor.size = {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}
+    sent = record_trainer_prompts(trainer)
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        trainer.train()
+    engine = trainer.vllm_generation.llm
+    differing = sum(a != b for a, b in zip(sent, engine.prompts_seen, strict=True))
+    assert differing > 0
+    assert sum(logged(trainer, metrics.PROMPT_MISMATCH_ROWS)) == differing
+    lines = [r.getMessage() for r in caplog.records if "prompt_parity: vLLM sampled" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "resize differently" in lines[0] and "vLLM " in lines[0] and "trainer " in lines[0]
+
+
+def test_check_reports_the_double_expansion_cause() -> None:
+    trainer_ids = [1, 5, 5, 5, 2]
+    engine_ids = [1, 5, 5, 5, 5, 5, 2]
+    cause = prompt_parity.likely_cause(engine_ids, trainer_ids, images=1, pad_id=5, collapsed=False)
+    assert "a second time" in cause
+    assert prompt_parity.mismatched_rows([engine_ids, [3]], [trainer_ids, [3]]) == [0]
+    assert prompt_parity.mismatched_rows(None, [trainer_ids]) == [0]
+
+
+def test_collapse_keeps_everything_but_repeated_pads() -> None:
+    ids = [9, 7, 5, 5, 5, 8, 1, 7, 5, 8, 5, 5]
+    assert prompt_parity.collapse_runs(ids, 5) == [9, 7, 5, 8, 1, 7, 5, 8, 5]
+    assert prompt_parity.count_runs(ids, 5) == 3
+    sent, left = prompt_parity.unexpanded_prompts([ids, ids, [1, 2]], [[0, 0, 0], [0], None], 5)
+    assert sent == [prompt_parity.collapse_runs(ids, 5), ids, [1, 2]] and left == [1]
+
+
+# --- scope ----------------------------------------------------------------------------------------------------
+
+
+def test_steps_aside_for_an_unproven_family_with_one_line(
+    make_generation: Any, recording_engine: Any, processor: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """A model type it is not proven on: prompts go to vLLM as TRL built them (one line says why), and the check
+    still counts the rows vLLM expanded again."""
+    from trl_vlm_fixes import log_once
+
+    monkeypatch.setattr(log_once, "_said", set())
+    generation = make_generation(enable_sleep_mode=False)
+    monkeypatch.setattr(generation.model.config, "model_type", "smolvlm")
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": make_image(96, 64)}, {"type": "text", "text": "hi"}]}
+    ]
+    ids = list(
+        processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ][0]
+    )
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        for _ in range(2):
+            generation.generate(prompts=[ids], images=[[make_image(96, 64)]], num_generations=1)
+    assert generation.llm.prompts_seen[0] != ids
+    aside = [r.getMessage() for r in caplog.records if "sends vLLM the prompts as TRL built them" in r.getMessage()]
+    assert len(aside) == 1 and "'smolvlm'" in aside[0]
+    mismatch = [r.getMessage() for r in caplog.records if "vLLM sampled" in r.getMessage()]
+    assert len(mismatch) == 1 and "a second time" in mismatch[0]
+    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 2.0}
+
+
+def test_text_prompts_pass_untouched(make_generation: Any, recording_engine: Any) -> None:
+    generation = make_generation(enable_sleep_mode=False)
+    generation.generate(prompts=[[1, 2, 3], [4, 5]], images=None, num_generations=1)
+    assert generation.llm.prompts_seen == [[1, 2, 3], [4, 5]]
+    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 0.0}
+
+
+def test_installed_trl_sends_expanded_ids_where_expected() -> None:
+    """TRL 1.9.1: colocate and server mode send the processor-expanded ids with raw images. TRL >= 1.11 serves
+    server mode with processed image features placed on the expanded ids: colocate only."""
+    from helpers import server_builds_engine_in_llm_worker
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    expected = {"colocate", "server"} if server_builds_engine_in_llm_worker() else {"colocate"}
+    assert prompt_parity.modes_sending_expanded_ids(VLLMGeneration.generate) == expected
+
+
+def test_not_needed_where_trl_sends_no_expanded_token_prompt(tmp_path: Path) -> None:
+    """A TRL whose generate sends text prompts with images (vLLM expands them once) needs no rewrite."""
+    source = (
+        "class VLLMGeneration:\n"
+        "    def generate(self, prompts, images, num_generations, profiler=None):\n"
+        "        rows = [{'prompt': p, 'multi_modal_data': {'image': i}} for p, i in zip(prompts, images)]\n"
+        "        return self.llm.generate(rows)\n"
+    )
+    with module_from_source(tmp_path, "drifted_generation", source) as module:
+        reason = prompt_parity._upstream_sends_unexpanded(module.VLLMGeneration.generate)
+    assert reason and "no processor-expanded token prompt" in reason
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert prompt_parity._upstream_sends_unexpanded(VLLMGeneration.generate) is None

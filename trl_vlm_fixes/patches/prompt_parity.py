@@ -1,0 +1,272 @@
+"""prompt_parity: the rollout engine samples from the prompt the trainer scores.
+
+TRL tokenizes a VLM prompt with its processor (``apply_chat_template(..., tokenize=True)``), so each image is already
+expanded into its N ``<|image_pad|>`` tokens, and ``VLLMGeneration.generate`` hands vLLM those ids with the images:
+``{"prompt_token_ids": ids, "multi_modal_data": {"image": ...}}`` in colocate mode, and the same ids and images through
+``VLLMClient.generate`` to ``trl vllm-serve``, which builds the same request (TRL 1.9.1). vLLM 0.25.1 treats a token
+prompt as not yet expanded and applies its prompt update again: the first pad of each run becomes N pads and the other
+N-1 stay, so the engine samples from 2N-1 image tokens per image while the trainer scores the same completions with N
+(vllm-project/vllm PR 57796; huggingface/trl 6294, 6401). No error, no warning.
+
+The fix wraps ``VLLMGeneration.generate``, the one door of every TRL trainer (and of a ``rollout_func``) to vLLM:
+
+- **collapse**: what goes to vLLM holds each image's run of pads as the single pad vLLM's processor expands (the
+  images of the prompt, several per prompt, and those a tool returned in TRL's tool loop). The trainer keeps its own
+  ids for scoring. Only the Qwen families whose expansion this is proven on (Qwen3.5, Qwen3-VL, Qwen2.5-VL: one
+  ``<|image_pad|>`` per image, expanded by vLLM to the same N the trainer's processor wrote) are rewritten; TRL sends
+  vLLM images only (no videos), so video pads are never touched.
+- **parity check**: the prompt ids vLLM reports (``RequestOutput.prompt_token_ids``, which TRL discards) must equal
+  the trainer's, row for row, for every family and mode. A row that differs (the engine's processor resized an image
+  differently, a processor setting the engine never got, an upstream change) is counted in
+  ``trl_vlm_fixes/prompt_mismatch_rows`` and logged once with the row, both lengths and the likely cause. The check
+  compares Python lists the engine already returned: no tensor, no device synchronization.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import metrics
+from ..call_arguments import bind
+from ..log_once import warn_once
+from ..registry import Fix, Target
+from ..source_shape import calls_method, function_tree, string_constants
+from .mm_realign import PROVEN_FAMILIES, model_family
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+_MODULE = "trl.generation.vllm_generation"
+
+
+# --- what this TRL sends vLLM (read from its source) -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _modes_sending_expanded_ids(code: Any, function: Callable[..., Any]) -> frozenset[str]:
+    """The modes in which ``generate`` hands vLLM the caller's token ids together with raw images.
+
+    colocate: it builds ``{"prompt_token_ids": ..., "multi_modal_data": ...}`` rows for ``LLM.generate``.
+    server: it calls ``vllm_client.generate(..., images=...)`` (TRL 1.9.1; ``trl vllm-serve`` builds the same rows).
+    Newer servers that receive processed image features with the expanded ids place them themselves (TRL >= 1.11's
+    ``features=``), so that mode is not one of them.
+    """
+    tree = function_tree(function)
+    if tree is None:
+        return frozenset()
+    modes = set()
+    if {"prompt_token_ids", "multi_modal_data"} <= string_constants(tree):
+        modes.add("colocate")
+    if calls_method(tree, "generate", keyword="images"):
+        modes.add("server")
+    return frozenset(modes)
+
+
+def modes_sending_expanded_ids(function: Callable[..., Any]) -> frozenset[str]:
+    unwrapped = getattr(function, "__wrapped__", function)
+    unwrapped = getattr(unwrapped, "__func__", unwrapped)
+    return _modes_sending_expanded_ids(getattr(unwrapped, "__code__", None), unwrapped)
+
+
+def _shape_problem(function: Callable[..., Any]) -> str | None:
+    if function_tree(function) is None:
+        return "source unavailable, cannot tell what VLLMGeneration.generate sends vLLM"
+    return None
+
+
+def _upstream_sends_unexpanded(function: Callable[..., Any]) -> str | None:
+    if modes_sending_expanded_ids(function):
+        return None
+    return "this TRL sends vLLM no processor-expanded token prompt together with raw images"
+
+
+# --- the prompt rewrite ----------------------------------------------------------------------------------------
+
+
+def collapse_runs(ids: Sequence[int], pad_id: int) -> list[int]:
+    """``ids`` with every run of ``pad_id`` reduced to one token (the form vLLM's processor expands)."""
+    ids = list(ids)
+    return [t for t, previous in zip(ids, [None, *ids[:-1]], strict=True) if t != pad_id or previous != pad_id]
+
+
+def count_runs(ids: Sequence[int], pad_id: int) -> int:
+    ids = list(ids)
+    return sum(1 for t, previous in zip(ids, [None, *ids[:-1]], strict=True) if t == pad_id and previous != pad_id)
+
+
+def _images_in(row_images: Any) -> int:
+    if row_images is None:
+        return 0
+    return len(row_images) if isinstance(row_images, list | tuple) else 1
+
+
+def _image_pad_id(generation: Any) -> int | None:
+    processor = getattr(generation, "processing_class", None)
+    token_id = getattr(processor, "image_token_id", None)
+    if isinstance(token_id, int) and not isinstance(token_id, bool):
+        return token_id
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "convert_tokens_to_ids"):
+        token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+            return token_id
+    return None
+
+
+def _why_not_rewritten(generation: Any, function: Callable[..., Any], pad_id: int | None) -> str | None:
+    """Why this call's prompts go to vLLM as TRL built them, or None where they are collapsed."""
+    family = model_family(getattr(generation, "model", None))
+    if family not in PROVEN_FAMILIES:
+        proven = ", ".join(sorted(PROVEN_FAMILIES))
+        return f"model type {family!r} is not one whose image expansion it is proven on ({proven})"
+    if pad_id is None:
+        return "the processing class defines no image pad token"
+    mode = getattr(generation, "mode", None)
+    if mode not in modes_sending_expanded_ids(function):
+        return f"in {mode} mode this TRL does not send vLLM the expanded ids with raw images"
+    return None
+
+
+def unexpanded_prompts(
+    prompts: list[list[int]], images: list[Any] | None, pad_id: int
+) -> tuple[list[list[int]], list[int]]:
+    """(what vLLM should receive, the rows left as they were because their pad runs do not match their images)."""
+    sent, left = [], []
+    for row, ids in enumerate(prompts):
+        wanted = _images_in(images[row]) if images is not None and row < len(images) else 0
+        if wanted == 0 or pad_id not in ids:
+            sent.append(ids)
+        elif count_runs(ids, pad_id) == wanted:
+            sent.append(collapse_runs(ids, pad_id))
+        else:
+            sent.append(ids)
+            left.append(row)
+    return sent, left
+
+
+# --- the parity check ------------------------------------------------------------------------------------------
+
+
+def mismatched_rows(
+    engine_prompt_ids: Sequence[Sequence[int]] | None, trainer_prompt_ids: list[list[int]]
+) -> list[int]:
+    """Rows whose prompt, as vLLM reports it, is not the trainer's (a missing report counts as a mismatch)."""
+    if engine_prompt_ids is None or len(engine_prompt_ids) != len(trainer_prompt_ids):
+        return list(range(len(trainer_prompt_ids)))
+    return [row for row, (a, b) in enumerate(zip(engine_prompt_ids, trainer_prompt_ids, strict=True)) if list(a) != b]
+
+
+def likely_cause(
+    engine_ids: Sequence[int], trainer_ids: list[int], images: int, pad_id: int | None, collapsed: bool
+) -> str:
+    engine_pads = sum(1 for t in engine_ids if t == pad_id)
+    trainer_pads = trainer_ids.count(pad_id) if pad_id is not None else 0
+    if not collapsed and images and engine_pads == 2 * trainer_pads - images:
+        return (
+            "vLLM expanded the trainer's already expanded image placeholders a second time (prompt_parity is off or "
+            "stepped aside for this model or mode)"
+        )
+    if engine_pads != trainer_pads:
+        return (
+            "vLLM's processor expanded the images to another number of tokens than the trainer's processor: they "
+            "resize differently (pass the trainer's processor settings, e.g. min_pixels/max_pixels, to the engine "
+            "through vllm mm_processor_kwargs)"
+        )
+    return "the engine tokenized or rewrote the text of the prompt differently (an upstream change)"
+
+
+def _report(
+    generation: Any,
+    rows: list[int],
+    engine_prompt_ids: Sequence[Sequence[int]] | None,
+    trainer_prompt_ids: list[list[int]],
+    images: list[Any] | None,
+    collapsed: bool,
+) -> None:
+    row = rows[0]
+    trainer_ids = trainer_prompt_ids[row]
+    if engine_prompt_ids is None or len(engine_prompt_ids) != len(trainer_prompt_ids):
+        engine_ids: Sequence[int] = []
+        cause = "the engine reported no prompt ids for these rows (an upstream change)"
+    else:
+        engine_ids = engine_prompt_ids[row]
+        wanted = _images_in(images[row]) if images is not None and row < len(images) else 0
+        cause = likely_cause(engine_ids, trainer_ids, wanted, _image_pad_id(generation), collapsed)
+    warn_once(
+        ("prompt_parity mismatch", cause),
+        "trl_vlm_fixes.prompt_parity: vLLM sampled %d of %d rows from another prompt than the trainer scores (first: "
+        "row %d, vLLM %d tokens, trainer %d tokens); likely cause: %s. Counted in %s; logged once per cause.",
+        len(rows),
+        len(trainer_prompt_ids),
+        row,
+        len(engine_ids),
+        len(trainer_ids),
+        cause,
+        metrics.PROMPT_MISMATCH_ROWS,
+    )
+
+
+def _collapsed_for_vllm(instance: Any, wrapped: Callable[..., Any], prompts: list[list[int]], images: Any) -> Any:
+    """The prompts to send vLLM, or None where they go as TRL built them (with one log line saying why)."""
+    pad_id = _image_pad_id(instance)
+    reason = _why_not_rewritten(instance, wrapped, pad_id)
+    if reason:
+        warn_once(
+            ("prompt_parity steps aside", reason),
+            "trl_vlm_fixes.prompt_parity sends vLLM the prompts as TRL built them: %s. The parity check still counts "
+            "rows whose vLLM prompt differs.",
+            reason,
+        )
+        return None
+    assert pad_id is not None  # _why_not_rewritten checked it
+    sent, left = unexpanded_prompts(prompts, images, pad_id)
+    if left:
+        warn_once(
+            ("prompt_parity runs",),
+            "trl_vlm_fixes.prompt_parity: row %d holds %d image pad runs for %d images; it goes to vLLM as built.",
+            left[0],
+            count_runs(prompts[left[0]], pad_id),
+            _images_in(images[left[0]]),
+        )
+    return sent
+
+
+def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``VLLMGeneration.generate(prompts, images, ...)``: collapse what vLLM gets, generate, compare what it used."""
+    bound = bind(wrapped, args, kwargs)
+    prompts, images = bound.arguments.get("prompts"), bound.arguments.get("images")
+    if not (isinstance(prompts, list) and all(isinstance(ids, list) for ids in prompts)):
+        return wrapped(*args, **kwargs)
+    sent = None
+    if isinstance(images, list) and any(_images_in(row) for row in images):
+        sent = _collapsed_for_vllm(instance, wrapped, prompts, images)
+    if sent is not None:
+        bound.arguments["prompts"] = sent
+        result = wrapped(*bound.args, **bound.kwargs)
+    else:
+        result = wrapped(*args, **kwargs)
+    engine_prompt_ids = result[0] if isinstance(result, tuple) and result else None
+    rows = mismatched_rows(engine_prompt_ids, prompts)
+    metrics.count(instance, metrics.PROMPT_MISMATCH_ROWS, len(rows))  # 0 too: the metric shows the check ran
+    if rows:
+        _report(instance, rows, engine_prompt_ids, prompts, images, sent is not None)
+    return result
+
+
+FIX = Fix(
+    name="prompt_parity",
+    summary="vLLM gets each image as the one pad it expands; its prompt ids are checked against the trainer's",
+    packages=("trl", "vllm"),
+    targets=(
+        Target(
+            _MODULE,
+            "VLLMGeneration.generate",
+            generate_wrapper,
+            required_parameters=("prompts", "images"),
+            shape_problem=_shape_problem,
+            upstream_fixed=_upstream_sends_unexpanded,
+        ),
+    ),
+)
