@@ -43,6 +43,9 @@ VARIANT_SWITCHES = {
     "off": {"TRL_VLM_FIXES": "0"},
     "reload_skip_off": {"TRL_VLM_FIXES_RELOAD_SKIP": "0"},
     "prompt_parity_off": {"TRL_VLM_FIXES_PROMPT_PARITY": "0"},
+    "graphs_piecewise": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE"},
+    "graphs_default": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE"},
+    "graphs_none": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "NONE"},
 }
 SAMPLING_METRICS = (
     "sampling/sampling_logp_difference/mean",
@@ -178,7 +181,11 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     result["prompt_parity"] = parity.rollouts
     result["sampling"] = [
-        {"step": log.get("step"), **{name: log[name] for name in SAMPLING_METRICS if name in log}}
+        {
+            "step": log.get("step"),
+            "step_time": log.get("step_time"),
+            **{n: log[n] for n in SAMPLING_METRICS if n in log},
+        }
         for log in trainer.state.log_history
         if "loss" in log
     ]
@@ -189,6 +196,16 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
     ]
     result["weights_trained"] = not bool(torch.equal(model.lm_head.weight.detach(), recorder.original))
     return result
+
+
+def rollout_share(result: dict[str, Any]) -> list[float | None]:
+    """Per logged step after the first (which holds the engine's warm-up), the generate time over TRL's step_time."""
+    shares: list[float | None] = []
+    for logged in result.get("sampling", [])[1:]:
+        step, step_time = logged.get("step"), logged.get("step_time")
+        rollout = sum(r["generate_s"] for r in result.get("prompt_parity", []) if r["global_step"] == step - 1)
+        shares.append(round(rollout / step_time, 3) if step_time else None)
+    return shares
 
 
 def summarize(variant: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +225,7 @@ def summarize(variant: str, result: dict[str, Any]) -> dict[str, Any]:
         "identical_prompt_rows": f"{sum(r['identical_rows'] for r in parity)}/{sum(r['rows'] for r in parity)}",
         "logp_difference_mean": [s.get(SAMPLING_METRICS[0]) for s in result.get("sampling", [])],
         "logp_difference_max": [s.get(SAMPLING_METRICS[1]) for s in result.get("sampling", [])],
+        "rollout_share_of_step": rollout_share(result),
         "error": result.get("error", ""),
     }
 
@@ -219,6 +237,8 @@ def main() -> None:
     parser.add_argument("--out", default="grpo_end_to_end.json")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per variant (a hang is a finding too)")
     parser.add_argument("--stand-in", action="store_true", help="CPU dry run with the behavioural stand-in engine")
+    parser.add_argument("--hidden", type=int, default=512, help="text hidden size (2048 with --layers 16: ~1.2B)")
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -230,8 +250,8 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANT_SWITCHES)}")
     from common import build_random_qwen35
 
-    model_dir = build_random_qwen35(tempfile.mkdtemp(), hidden=512, layers=4)
-    report: dict[str, Any] = {"steps": args.steps, "stand_in": args.stand_in, "variants": {}}
+    model_dir = build_random_qwen35(tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers)
+    report: dict[str, Any] = {"steps": args.steps, "stand_in": args.stand_in, "hidden": args.hidden, "variants": {}}
     if not args.stand_in:
         from common import versions
 
