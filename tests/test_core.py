@@ -513,6 +513,34 @@ build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tin
     assert "gdn_prefill_backend=triton (" in lines[0]
 
 
+def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
+    tiny_model_dir: Path, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's vllm_serve.py code run as `__main__` (python -m) or `__mp_main__` (a spawned worker) gets the arguments;
+    a vllm.LLM built anywhere else is left exactly as upstream, without a line."""
+    pytest.importorskip("vllm")
+    import trl.scripts.vllm_serve as vllm_serve
+    import vllm.entrypoints.llm as llm_module
+
+    layer = vars(llm_module.LLM)["__init__"]
+    while type(layer.__wrapped__) is not types.FunctionType:  # below every fix's wrapper (type(): proxies lie)
+        layer = layer.__wrapped__
+    received: list[dict[str, Any]] = []
+    monkeypatch.setattr(layer, "__wrapped__", lambda self, *args, **kwargs: received.append(kwargs))
+    worker = "def llm_worker(model):\n    from vllm import LLM\n    LLM(model=model)\n"
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        for name in ("__main__", "__mp_main__"):
+            namespace: dict[str, Any] = {"__name__": name}
+            exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
+            namespace["llm_worker"](str(tiny_model_dir))
+        llm_module.LLM(model=str(tiny_model_dir))  # a user's own engine, in the same process
+    assert [kwargs.get("gdn_prefill_backend") for kwargs in received] == ["triton", "triton", None]
+    assert [kwargs.get("compilation_config") for kwargs in received] == [{"cudagraph_mode": "NONE"}] * 2 + [None]
+    lines = [r.getMessage() for r in caplog.records if "builds the" in r.getMessage()]
+    server_line = "trl_vlm_fixes: trl vllm-serve builds the vLLM engine with cudagraph_mode=NONE"
+    assert len(lines) == 2 and all(line.startswith(server_line) for line in lines)
+
+
 def test_trainer_start_shows_every_final_state_once(make_trainer: Any, caplog: Any, monkeypatch: Any) -> None:
     from trl_vlm_fixes import trainer_start
 

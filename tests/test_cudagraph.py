@@ -105,12 +105,20 @@ def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], cap
     assert "slower" in lines[0].getMessage()
 
 
-def test_engine_global_is_restored_after_construction(make_generation: Callable[..., Any]) -> None:
+def test_engine_is_built_without_rebinding_the_module_global(make_generation: Callable[..., Any]) -> None:
+    """While TRL's LLM(...) runs, the module's LLM is still the engine class: the arguments came another way."""
     import trl.generation.vllm_generation as vllm_generation
 
-    before = vllm_generation.LLM
-    make_generation()
-    assert vllm_generation.LLM is before
+    seen: list[Any] = []
+
+    class WatchingEngine(StandInLLM):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            seen.append(vllm_generation.__dict__.get("LLM"))
+            super().__init__(*args, **kwargs)
+
+    engine = make_generation(engine_class=WatchingEngine).llm
+    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert seen == [WatchingEngine]
 
 
 # --- against the real vLLM classes, where they import on the CPU -------------------------------------------

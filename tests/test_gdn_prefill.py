@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -28,14 +29,19 @@ def test_bad_backend_fails_the_import_naming_the_variable() -> None:
     assert "TRL_VLM_FIXES_GDN_PREFILL_BACKEND='cutlass'" in result.stderr and "triton, flashinfer" in result.stderr
 
 
-def test_a_backend_already_in_the_engine_arguments_wins() -> None:
-    from trl_vlm_fixes.engine_args import EngineBuild
-    from trl_vlm_fixes.patches.gdn_prefill import contribute
+@pytest.mark.parametrize("backend", VALID_BACKENDS)
+def test_vllm_resolves_the_backend_the_engine_gets(
+    make_generation: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """The arguments TRL's engine receives, read by vLLM's own EngineArgs: the kernel vLLM will select."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
 
-    kwargs: dict[str, Any] = {"gdn_prefill_backend": "flashinfer"}
-    build = EngineBuild("test", model_config=None)
-    contribute(kwargs, build)
-    assert kwargs["gdn_prefill_backend"] == "flashinfer" and "kept" in build.changes[0]
+    monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", backend)
+    kwargs = make_generation().llm.init_kwargs
+    names = {field.name for field in dataclasses.fields(EngineArgs)}
+    engine_args = EngineArgs(**{key: value for key, value in kwargs.items() if key in names})
+    assert engine_args.gdn_prefill_backend == backend
 
 
 def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off: Any) -> None:
@@ -46,7 +52,6 @@ def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off
 
 def test_real_vllm_engine_args_take_both_backends() -> None:
     pytest.importorskip("vllm")
-    import dataclasses
     import typing
 
     from vllm.engine.arg_utils import EngineArgs

@@ -228,42 +228,69 @@ def loving_cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-SERVER = """
-import json, sys, types
-from multiprocessing import Pipe
-import vllm.entrypoints.llm as llm_module
-captured = {}
-layer = vars(llm_module.LLM)["__init__"]
-if type(layer) is types.FunctionType:  # no plugin in this process: replace the constructor itself
-    llm_module.LLM.__init__ = lambda self, *a, **k: captured.update(k)
-else:  # below every fix's wrapper: record what would reach the real engine
-    while type(layer.__wrapped__) is not types.FunctionType:
-        layer = layer.__wrapped__
-    layer.__wrapped__ = lambda self, *a, **k: captured.update(k)
-from trl.scripts.vllm_serve import ScriptArguments, llm_worker
-parent, child = Pipe()
-parent.send({"type": "shutdown"})
-llm_worker(ScriptArguments(model=sys.argv[1]), 0, 29999, child)
-print(json.dumps({k: (v if isinstance(v, (str, int, float, bool, type(None), dict)) else repr(v))
-                  for k, v in captured.items()}))
-"""
+SERVE_SITE = Path(__file__).parent / "programs" / "serve_site"
+# the two ways users start TRL 1.9.1's server: the `trl` console script and the module
+SERVER = {
+    "trl vllm-serve": [str(Path(sys.executable).parent / "trl"), "vllm-serve"],
+    "python -m": [sys.executable, "-m", "trl.scripts.vllm_serve"],
+}
 
 
-def test_trl_vllm_serve_engine_gets_the_engine_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
+def serve(command: list[str], model: Path, tmp_path: Path, **env: str) -> tuple[Any, list[dict[str, Any]]]:
+    """Start TRL's server with the engine stand-in (``programs/serve_site``): what reached each worker's engine."""
     from helpers import server_builds_engine_in_llm_worker
 
+    pytest.importorskip("vllm")
     if not server_builds_engine_in_llm_worker():
         pytest.skip("this TRL's vllm-serve builds its engine elsewhere: server-mode engine fixes cover TRL 1.9.1")
-    script = tmp_path / "serve_worker.py"
-    script.write_text(SERVER)
-    launched = run([*launcher(), "run", "--", sys.executable, str(script), str(tiny_model_dir)], cwd=tmp_path)
+    records = tmp_path / "engines"
+    records.mkdir()
+    environment = {"PYTHONPATH": str(SERVE_SITE), "SERVE_RECORD_DIR": str(records), **env}
+    launched = run([*command, "--model", str(model)], env=environment, cwd=tmp_path)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    kwargs = last_json_line(launched.stdout)
-    assert kwargs["gdn_prefill_backend"] == "triton"
-    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
-    assert kwargs["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"  # TRL's own kept
-    assert "trl vllm-serve builds the colocated vLLM engine with" in launched.stderr
-    plain = run([sys.executable, str(script), str(tiny_model_dir)], cwd=tmp_path)
-    upstream = last_json_line(plain.stdout)
-    assert "gdn_prefill_backend" not in upstream and "compilation_config" not in upstream
+    return launched, [json.loads(path.read_text()) for path in sorted(records.glob("engine-*.json"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("started", "start_method", "workers"),
+    [
+        ("trl vllm-serve", "fork", 1),
+        ("python -m", "fork", 2),
+        ("python -m", "spawn", 2),
+        ("trl vllm-serve", "spawn", 2),
+    ],
+)
+def test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started(
+    tiny_model_dir: Path, tmp_path: Path, started: str, start_method: str, workers: int
+) -> None:
+    """Under `python -m` the server is `__main__` (`__mp_main__` in spawned workers), not `trl.scripts.vllm_serve`."""
+    command = [*launcher(), "run", "--", *SERVER[started], "--data_parallel_size", str(workers)]
+    launched, engines = serve(command, tiny_model_dir, tmp_path, SERVE_START_METHOD=start_method)
+    assert len(engines) == workers
+    for engine in engines:
+        assert engine["kwargs"]["gdn_prefill_backend"] == "triton"
+        assert engine["kwargs"]["compilation_config"] == {"cudagraph_mode": "NONE"}
+        assert engine["kwargs"]["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"
+        assert engine["states"] == {"cudagraph": "applied", "gdn_prefill": "applied"}
+    lines = [line for line in launched.stderr.splitlines() if line.startswith("trl_vlm_fixes: trl vllm-serve builds")]
+    assert len(lines) == workers and all("builds the vLLM engine with cudagraph_mode=NONE" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_trl_vllm_serve_without_the_plugin_builds_the_upstream_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    launched, engines = serve(SERVER["python -m"], tiny_model_dir, tmp_path)
+    assert len(engines) == 1 and engines[0]["states"] == {}
+    assert "gdn_prefill_backend" not in engines[0]["kwargs"] and "compilation_config" not in engines[0]["kwargs"]
+    assert "trl_vlm_fixes" not in launched.stderr
+
+
+@pytest.mark.slow
+def test_trl_vllm_serve_engine_the_fixes_miss_is_reported_skipped(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Another library's wrapper below the fixes' on vLLM's constructor: they cannot apply, and say so."""
+    command = [*launcher(), "run", "--", *SERVER["python -m"]]
+    launched, engines = serve(command, tiny_model_dir, tmp_path, SERVE_FOREIGN_WRAPPER="1")
+    assert len(engines) == 1 and engines[0]["states"] == {"cudagraph": "skipped", "gdn_prefill": "skipped"}
+    assert "compilation_config" not in engines[0]["kwargs"]
+    warnings = [line for line in launched.stderr.splitlines() if "nothing was injected" in line]
+    assert sorted(line.split(":")[0] for line in warnings) == ["trl_vlm_fixes.cudagraph", "trl_vlm_fixes.gdn_prefill"]

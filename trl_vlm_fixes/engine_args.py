@@ -1,16 +1,28 @@
-"""One way for fixes to add arguments to the vLLM engine TRL builds: at TRL's own ``LLM(...)`` call.
+"""How the engine fixes (``cudagraph``, ``gdn_prefill``) add arguments to the vLLM engine TRL builds.
 
-Several fixes (``cudagraph``, ``gdn_prefill``) wrap the same TRL method that builds the engine. Each wrapper adds its
-contribution to a per-call list held in a ``ContextVar``; the wrapper closest to TRL's function runs it once with a
-private copy of its module namespace in which ``LLM`` is a factory that applies every contribution. Nothing global is
-rebound, so two engines built at once (threads, tasks) never see each other's factory, and ``revert()`` leaves nothing
-behind. After the call, a fix whose contribution never reached ``LLM(...)`` while an engine was built says so: its
-status is not left at ``applied``.
+One mechanism: the contributions are applied to the keyword arguments of the ``LLM(...)`` call that TRL's own code
+makes, at the moment it makes it. Every engine fix wraps the same places; the wrappers met by one call share a list
+of contributions through a ``ContextVar``, and the innermost (the one whose ``wrapped`` is TRL's or vLLM's own
+function) applies them all. How it reaches the call depends on how TRL's code names ``LLM``:
+
+* colocated (``VLLMGeneration._init_vllm``, ``OnlineDPOTrainer.__init__``): ``LLM`` is a module global, so the
+  builder runs with a private copy of its globals in which ``LLM`` applies the contributions. Nothing is rebound: two
+  engines built at once never see each other's, an engine bound to the module's ``LLM`` (a stand-in) is reached as
+  well, and ``revert()`` leaves nothing behind;
+* server (``trl vllm-serve``): ``llm_worker`` imports ``LLM`` inside itself, and under ``python -m`` it lives in
+  ``__main__`` (``__mp_main__`` in spawned data-parallel workers) where no import hook reaches it. So the wrapper
+  sits on ``vllm.LLM.__init__`` and acts when TRL's ``vllm_serve.py`` file is on the calling stack: the file, not
+  the module's name, is the same however the server was started.
+
+An engine built where a contribution was expected but never applied sets the fix's state to ``skipped``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -18,7 +30,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from .registry import Target, report_runtime_state
+from .registry import Target, WrapperFunction, report_runtime_state
 from .source_shape import calls_name, function_tree
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -32,7 +44,6 @@ class EngineBuild:
     model_config: Any
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
     stepped_aside: list[str] = field(default_factory=list)  # fixes that leave this engine alone (no GDN layers)
-    reached: set[str] = field(default_factory=set)  # fixes whose contribution ran
 
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
@@ -48,11 +59,32 @@ class _Contribution:
     acts_on: Scope
 
 
-_pending: ContextVar[list[_Contribution] | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
-def served_model_config(instance: Any, kwargs: dict[str, Any]) -> Any:
+@dataclass
+class _Pending:
+    """The contributions of the engine fixes whose wrappers this call went through, and whether they were applied."""
+
+    contributions: list[_Contribution] = field(default_factory=list)
+    applied: bool = False
+
+
+_pending: ContextVar[_Pending | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
+
+# What the last engine of this process was built with (the rollout watchdog writes it into its hang report)
+last_engine_settings = "(no engine built by TRL in this process yet)"
+
+
+@dataclass(frozen=True)
+class _Builder:
+    """A place where TRL builds an engine: the name its log line gives, and which engine it builds."""
+
+    caller: str
+    engine: str  # "colocated vLLM engine" or "vLLM engine"
+    server: bool = False
+
+
+def served_model_config(trainer: Any, kwargs: dict[str, Any]) -> Any:
     """The config of the model the engine will serve: the trainer's model if it has one, else read from disk."""
-    model = getattr(instance, "model", None)
-    config = getattr(model, "config", None)
+    config = getattr(getattr(trainer, "model", None), "config", None)
     if config is not None:
         return config
     path = kwargs.get("model")
@@ -65,36 +97,6 @@ def served_model_config(instance: Any, kwargs: dict[str, Any]) -> Any:
     except Exception as error:  # noqa: BLE001 - an unreadable config is reported by the fixes, never a crash here
         LOGGER.debug("trl_vlm_fixes: cannot read the config of %s: %r", path, error)
         return None
-
-
-class _EngineFactory:
-    """Stands in for ``LLM`` inside one call of TRL's engine builder: applies the contributions, builds the engine."""
-
-    def __init__(self, engine_class: Any, instance: Any, caller: str, contributions: list[_Contribution]):
-        self.engine_class = engine_class
-        self.instance = instance
-        self.caller = caller
-        self.contributions = contributions
-        self.builds: list[EngineBuild] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        build = EngineBuild(self.caller, served_model_config(self.instance, kwargs))
-        for contribution in self.contributions:
-            if contribution.acts_on(build):
-                contribution.contribute(kwargs, build)
-            else:
-                build.stepped_aside.append(contribution.fix_name)
-            build.reached.add(contribution.fix_name)
-        self.builds.append(build)
-        global last_engine_settings
-        last_engine_settings = describe(build)
-        if _is_main_process(self.instance):
-            LOGGER.warning("trl_vlm_fixes: %s builds the colocated vLLM engine %s", self.caller, last_engine_settings)
-        return self.engine_class(*args, **kwargs)
-
-
-# What the last engine of this process was built with (the rollout watchdog writes it into its hang report)
-last_engine_settings = "(no engine built by TRL in this process yet)"
 
 
 def describe(build: EngineBuild) -> str:
@@ -119,25 +121,35 @@ def serves_gated_deltanet(build: EngineBuild) -> bool:
     return "linear_attention" in layer_types
 
 
-def _is_main_process(instance: Any) -> bool:
-    """Rank 0 logs what the engine gets (every rank builds one); without an accelerator, every process does."""
-    accelerator = getattr(instance, "accelerator", None)
-    return bool(getattr(accelerator, "is_main_process", True))
+def _construct(builder: _Builder, trainer: Any, engine: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Apply every pending contribution to ``kwargs``, say so in one line, then build the engine."""
+    pending = _pending.get()
+    assert pending is not None  # only called inside a wrapper, which set it
+    build = EngineBuild(builder.caller, served_model_config(trainer, kwargs))
+    for contribution in pending.contributions:
+        if contribution.acts_on(build):
+            contribution.contribute(kwargs, build)
+        else:
+            build.stepped_aside.append(contribution.fix_name)
+    pending.applied = True
+    global last_engine_settings
+    last_engine_settings = describe(build)
+    # rank 0 says it (every rank builds one); a server worker or a process without an accelerator always does
+    if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
+        LOGGER.warning("trl_vlm_fixes: %s builds the %s %s", builder.caller, builder.engine, last_engine_settings)
+    return engine(*args, **kwargs)
 
 
-def _is_plain_method(wrapped: Any) -> bool:
-    # type() and not isinstance(): wrapt's proxies pretend to be the class of what they wrap
-    return type(wrapped) is types.MethodType and type(wrapped.__func__) is types.FunctionType
-
-
-def _call_with_factory(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any], factory_for: Callable) -> Any:
+def _intercept(builder: _Builder, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run TRL's builder (colocated) or vLLM's constructor (server) so that its ``LLM(...)`` gets the contributions."""
+    if builder.server:
+        return _construct(builder, None, wrapped, *args, **kwargs)
     function = wrapped.__func__
     namespace = dict(function.__globals__)
-    engine_class = namespace.get("LLM")
-    if engine_class is None:  # vLLM absent: TRL raises its own ImportError
+    engine = namespace.get("LLM")
+    if engine is None:  # vLLM absent: TRL raises its own ImportError
         return wrapped(*args, **kwargs)
-    factory = factory_for(engine_class)
-    namespace["LLM"] = factory
+    namespace["LLM"] = functools.partial(_construct, builder, instance, engine)
     private = types.FunctionType(
         function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
     )
@@ -145,58 +157,55 @@ def _call_with_factory(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return private(wrapped.__self__, *args, **kwargs)
 
 
-SERVER_MODULE = "trl.scripts.vllm_serve"
-SERVER_FUNCTION = "llm_worker"
+def _is_own_function(wrapped: Any) -> bool:
+    """TRL's (or vLLM's) own function, not another fix's wrapper. type(), not isinstance(): wrapt's proxies pretend."""
+    return type(wrapped) is types.MethodType and type(wrapped.__func__) is types.FunctionType
 
 
-def _called_by_trl_vllm_serve() -> bool:
-    """Is the engine being built by ``trl vllm-serve``'s worker (server mode)? Read from the calling frames."""
+@functools.cache
+def _server_file() -> str | None:
+    """Where TRL's ``vllm_serve.py`` is, found without importing TRL."""
+    spec = importlib.util.find_spec("trl")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return os.path.join(locations[0], "scripts", "vllm_serve.py") if locations else None
+
+
+def _server_is_calling() -> bool:
+    """Is TRL's server code on the stack? Its module is ``trl.scripts.vllm_serve`` under ``trl vllm-serve``,
+    ``__main__`` under ``python -m`` and ``__mp_main__`` in spawned workers; its file is the same in all three."""
+    server_file = _server_file()
     frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == SERVER_FUNCTION and frame.f_globals.get("__name__") == SERVER_MODULE:
+    while frame is not None:
+        if frame.f_code.co_filename == server_file:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
 
-def engine_builder_wrapper(target_key: str, caller: str, contribution: _Contribution, server: bool = False) -> Callable:
-    """The wrapt wrapper one fix puts on a TRL method that calls ``LLM(...)``, or (``server``) on ``LLM.__init__``,
-    acting there only when ``trl vllm-serve`` builds its engine."""
+def _wrapper(target_key: str, builder: _Builder, contribution: _Contribution) -> WrapperFunction:
+    """The wrapper one engine fix puts on one place where TRL builds an engine."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if server and not _called_by_trl_vllm_serve():
+        if builder.server and not _server_is_calling():  # another engine than TRL's server: not ours to change
             return wrapped(*args, **kwargs)
-        contributions = _pending.get()
+        pending = _pending.get()
         token = None
-        if contributions is None:
-            contributions = []
-            token = _pending.set(contributions)
-        contributions.append(contribution)
-        factories: list[_EngineFactory] = []
-        innermost = _is_plain_method(wrapped)  # TRL's own function, not another fix's wrapper
+        if pending is None:  # the outermost engine fix: it opens the list and checks the outcome
+            pending = _Pending()
+            token = _pending.set(pending)
+        pending.contributions.append(contribution)
         try:
-            if server and innermost:  # LLM.__init__ itself: edit the arguments, then build
-                return _EngineFactory(wrapped, None, caller, contributions)(*args, **kwargs)
-            if innermost:
-
-                def factory_for(engine_class: Any) -> _EngineFactory:
-                    factory = _EngineFactory(engine_class, instance, caller, contributions)
-                    factories.append(factory)
-                    return factory
-
-                result = _call_with_factory(wrapped, args, kwargs, factory_for)
-            else:  # another fix's wrapper sits below ours: it runs the builder with every contribution
+            if _is_own_function(wrapped):
+                result = _intercept(builder, wrapped, instance, args, kwargs)
+            else:  # another engine fix's wrapper sits below ours: the innermost applies every contribution
                 result = wrapped(*args, **kwargs)
         finally:
             if token is not None:
                 _pending.reset(token)
-        if innermost and getattr(instance, "llm", None) is not None:
-            reached = {name for factory in factories for build in factory.builds for name in build.reached}
-            for missed in contributions:
-                if missed.fix_name not in reached:
-                    _report_missed(missed.fix_name, target_key, caller)
+        engine_built = builder.server or getattr(instance, "llm", None) is not None
+        if token is not None and engine_built and not pending.applied:
+            for missed in pending.contributions:
+                _report_missed(missed.fix_name, target_key, builder.caller)
         return result
 
     return wrapper
@@ -204,7 +213,7 @@ def engine_builder_wrapper(target_key: str, caller: str, contribution: _Contribu
 
 def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
     detail = (
-        f"{caller} built an engine without going through LLM(...) in the wrapped method: nothing was injected. "
+        f"{caller} built an engine without going through LLM(...) where the fix waits for it: nothing was injected. "
         "Upgrade trl_vlm_fixes or pin trl==1.9.1."
     )
     LOGGER.warning("trl_vlm_fixes.%s: %s", fix_name, detail)
@@ -218,14 +227,15 @@ def _builds_engine(function: Callable[..., Any]) -> str | None:
     return None if calls_name(tree, "LLM") else "no longer builds the engine with LLM(...)"
 
 
+COLOCATED = "colocated vLLM engine"
 # TRL's methods that build a colocated engine with ``LLM(...)``: (module, Class.method, caller, optional)
 ENGINE_BUILDERS = (
     ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm", "VLLMGeneration", False),
     ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer.__init__", "OnlineDPOTrainer", True),
 )
-# server mode: `trl vllm-serve` imports LLM inside its worker function, so the engine's own constructor is wrapped and
-# acts only when that worker calls it (a process the launcher started: trl-vlm-fixes run -- trl vllm-serve ...)
+# server mode: the engine's own constructor, acting only when TRL's vllm_serve.py calls it
 SERVER_ENGINE = ("vllm.entrypoints.llm", "LLM.__init__")
+SERVER = _Builder("trl vllm-serve", "vLLM engine", server=True)
 
 
 def engine_builder_targets(fix_name: str, contribute: Contribution, acts_on: Scope) -> tuple[Target, ...]:
@@ -237,17 +247,12 @@ def engine_builder_targets(fix_name: str, contribute: Contribution, acts_on: Sco
         Target(
             module=module,
             qualname=qualname,
-            wrapper=engine_builder_wrapper(f"{module}:{qualname}", caller, contribution),
+            wrapper=_wrapper(f"{module}:{qualname}", _Builder(caller, COLOCATED), contribution),
             shape_problem=_builds_engine,
             optional=optional,
         )
         for module, qualname, caller, optional in ENGINE_BUILDERS
     )
     module, qualname = SERVER_ENGINE
-    server = Target(
-        module=module,
-        qualname=qualname,
-        wrapper=engine_builder_wrapper(f"{module}:{qualname}", "trl vllm-serve", contribution, server=True),
-        optional=True,
-    )
+    server = Target(module, qualname, _wrapper(f"{module}:{qualname}", SERVER, contribution), optional=True)
     return (*colocated, server)

@@ -4,8 +4,8 @@ vLLM 0.25.1 on Hopper (SM90) picks FlashInfer 0.6.13's GDN prefill kernel by def
 hang Qwen3.5 runs after hours (flashinfer-ai/flashinfer#3986, #2623 "Kernel hang in gdn_prefill_sm90", "Barrier error
 detected. Missing wait"; vllm-project/vllm#38916, gone with Triton). FlashInfer replaced it in 0.6.14 (first pinned by
 vLLM 0.26.0). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it; ``gdn_prefill_backend`` does.
-The value is added at TRL's ``LLM(...)`` call, through the same mechanism as ``cudagraph``, and only for models that
-have Gated-DeltaNet layers; a ``gdn_prefill_backend`` already in the engine arguments is kept.
+The value is added at TRL's ``LLM(...)`` call (colocated and ``trl vllm-serve``, neither of which passes one),
+through the same mechanism as ``cudagraph``, and only for models that have Gated-DeltaNet layers.
 """
 
 from __future__ import annotations
@@ -33,10 +33,7 @@ def selected_backend() -> str:
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Select the prefill backend, unless the engine arguments already name one."""
-    if kwargs.get("gdn_prefill_backend") is not None:
-        build.changes.append(f"gdn_prefill_backend={kwargs['gdn_prefill_backend']} (passed to the engine; kept)")
-        return
+    """Select the prefill backend."""
     backend = selected_backend()
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
