@@ -63,6 +63,7 @@ def write_config_only_checkpoint(directory: Path) -> Path:
     vision = {"hidden_size": 128, "intermediate_size": 256, "out_hidden_size": SHAPE_9B["hidden_size"]}
     config = build_config(SHAPE_9B["vocab_size"], token_ids, SHAPE_9B, vision, "qwen3_5")
     config.dtype = "bfloat16"
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]  # without it vLLM resolves a pooling model
     config.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
@@ -205,12 +206,11 @@ def main() -> None:
             report["results"].append(result)
             print(json.dumps(result), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
-    default = next((r["tok_s"]["no_ban"] for r in report["results"] if r.get("mode") == "FULL_AND_PIECEWISE"), None)
+    measured = [r for r in report["results"] if "tok_s" in r]
+    default = next((r["tok_s"]["no_ban"] for r in measured if r["mode"] == "FULL_AND_PIECEWISE"), None)
     header = f"{'mode':<20}{'no ban':>10}{'bad_words':>11}{'logit_bias':>12}{'vs default':>12}"
     print(header + f"{'GDN calls/step/layer':>22}")
-    for r in report["results"]:
-        if "tok_s" not in r:
-            continue
+    for r in measured:
         rates = r["tok_s"]
         ratio = f"{rates['no_ban'] / default:.2f}x" if default else "-"
         bans = f"{rates.get('bad_words', '-'):>11}{rates.get('logit_bias_-inf', '-'):>12}"
