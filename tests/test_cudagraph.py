@@ -23,9 +23,9 @@ def engine_kwargs(make_generation: Callable[..., Any]) -> dict[str, Any]:
     return dict(make_generation().llm.init_kwargs)
 
 
-def test_default_is_no_cuda_graphs(make_generation: Callable[..., Any]) -> None:
+def test_default_keeps_gated_deltanet_kernels_out_of_graphs(make_generation: Callable[..., Any]) -> None:
     kwargs = engine_kwargs(make_generation)
-    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert "enforce_eager" not in kwargs
 
 
@@ -87,9 +87,9 @@ def test_merge_reaches_the_engine_constructor() -> None:
     kwargs: dict[str, Any] = {"model": "m", "compilation_config": existing}
     build = EngineBuild("test", model_config=None)
     contribute(kwargs, build)
-    assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "NONE"}
+    assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "PIECEWISE"}
     assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated
-    assert build.changes and build.changes[0].startswith("cudagraph_mode=NONE")
+    assert build.changes and build.changes[0].startswith("cudagraph_mode=PIECEWISE")
 
 
 def test_unknown_config_type_is_a_clear_error() -> None:
@@ -101,8 +101,8 @@ def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], cap
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         make_generation()
     lines = [r for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
-    assert len(lines) == 1 and "cudagraph_mode=NONE" in lines[0].getMessage()
-    assert "slower" in lines[0].getMessage()
+    assert len(lines) == 1 and "cudagraph_mode=PIECEWISE" in lines[0].getMessage()
+    assert "Gated-DeltaNet kernel outside CUDA graphs" in lines[0].getMessage()
 
 
 def test_engine_is_built_without_rebinding_the_module_global(make_generation: Callable[..., Any]) -> None:
@@ -117,7 +117,7 @@ def test_engine_is_built_without_rebinding_the_module_global(make_generation: Ca
             super().__init__(*args, **kwargs)
 
     engine = make_generation(engine_class=WatchingEngine).llm
-    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert seen == [WatchingEngine]
 
 
@@ -189,3 +189,31 @@ def test_experimental_online_dpo_engine_gets_the_mode(
     )
     assert trainer.llm.init_kwargs["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert online_dpo.LLM is StandInLLM
+
+
+def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
+    vllm_config: Any, make_generation: Callable[..., Any]
+) -> None:
+    """From vLLM 0.25.1's own code: the engine's default mode is piecewise, vLLM's compilation config for it splits the
+    captured graph at ``vllm::qwen_gdn_attention_core``, and that op is where Qwen3.5's GDN layer runs all its kernels
+    (conv1d and recurrent attention, prefill and decode). The GPU probe (docs/gpu-results.md, section 9) shows it."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    requested = engine_kwargs(make_generation)["compilation_config"]
+    config = vllm_config.CompilationConfig(mode=vllm_config.CompilationMode.VLLM_COMPILE, **requested)
+    config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert config.cudagraph_mode == vllm_config.CUDAGraphMode.PIECEWISE
+    assert not config.cudagraph_mode.has_full_cudagraphs()  # no graph spans a whole forward pass
+    assert "vllm::qwen_gdn_attention_core" in config.splitting_ops
+
+    def calls(function: Any) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+
+    assert "qwen_gdn_attention_core" in calls(gdn.QwenGatedDeltaNetAttention.forward_cuda)
+    assert "_forward_core" in calls(gdn.qwen_gdn_attention_core)  # conv1d + recurrent attention, behind the op
+    assert "_forward_core" not in calls(gdn.QwenGatedDeltaNetAttention.forward_cuda)

@@ -14,7 +14,7 @@ from trl_vlm_fixes.patches.gdn_prefill import VALID_BACKENDS
 def test_gdn_model_engine_gets_triton_prefill_and_no_graphs(make_generation: Any) -> None:
     kwargs = make_generation().llm.init_kwargs
     assert kwargs["gdn_prefill_backend"] == "triton"
-    assert kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
 
 
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
@@ -47,7 +47,7 @@ def test_vllm_resolves_the_backend_the_engine_gets(
 def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off: Any) -> None:
     one_fix_off("gdn_prefill")
     kwargs = make_generation().llm.init_kwargs
-    assert "gdn_prefill_backend" not in kwargs and kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert "gdn_prefill_backend" not in kwargs and kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
 
 
 def test_real_vllm_engine_args_take_both_backends() -> None:

@@ -40,7 +40,7 @@ def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
     assert on["trained"] and on["weights_trained"] and len(on["rollouts"]) == 4  # 2 rollouts per optimizer step
     assert all(r["trainer_moved_from_original"] for r in on["rollouts"] if r["global_step"] > 0)
     assert all(r["on_current"] for r in on["rollouts"]) and on["disk_reloads"] == 0
-    assert on["engine_cudagraph_mode"] == "NONE"
+    assert on["engine_cudagraph_mode"] == "PIECEWISE"
     # vLLM's own processor behind the stand-in: every row identical with prompt_parity, rows of N > 1 pads not without
     assert all(r["identical_rows"] == r["rows"] for r in on["prompt_parity"]) and len(on["prompt_parity"]) == 4
     doubled = [t != e for r in parity_off["prompt_parity"] for t, e in r["image_pads_trainer_vs_engine"]]

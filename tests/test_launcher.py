@@ -270,11 +270,13 @@ def test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started(
     assert len(engines) == workers
     for engine in engines:
         assert engine["kwargs"]["gdn_prefill_backend"] == "triton"
-        assert engine["kwargs"]["compilation_config"] == {"cudagraph_mode": "NONE"}
+        assert engine["kwargs"]["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
         assert engine["kwargs"]["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"
         assert engine["states"] == {"cudagraph": "applied", "gdn_prefill": "applied"}
     lines = [line for line in launched.stderr.splitlines() if line.startswith("trl_vlm_fixes: trl vllm-serve builds")]
-    assert len(lines) == workers and all("builds the vLLM engine with cudagraph_mode=NONE" in line for line in lines)
+    assert len(lines) == workers and all(
+        "builds the vLLM engine with cudagraph_mode=PIECEWISE" in line for line in lines
+    )
 
 
 @pytest.mark.slow

@@ -150,22 +150,49 @@ def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
     assert warnings and any(token in warnings[0] for token in PLACEHOLDERS)
 
 
+def upstream_imports_vllm() -> bool:
+    import trl.generation.vllm_generation as vllm_generation
+
+    return getattr(vllm_generation, "SamplingParams", None).__module__.startswith("vllm")  # type: ignore[union-attr]
+
+
 def test_vllm_colocate_request_carries_the_ban(loving_model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
     import trl.generation.vllm_generation as vllm_generation
 
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
+    requests: list[Any] = []
+
     class LovingEngine(StandInLLM):
         favourite_token_ids = (261, 259)  # image pad, vision start of the tiny vocabulary
 
+        def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+            requests.append(sampling_params)
+            return super().generate(prompts, sampling_params, **kwargs)
+
     monkeypatch.setattr(vllm_generation, "LLM", LovingEngine, raising=False)
-    trainer = loving_trainer(loving_model_dir, tmp_path, "grpo", use_vllm=True, vllm_mode="colocate")
-    assert {261, 259} <= placeholder_ids(trainer.processing_class)
+    user_bias = {65: 1.5}
+    trainer = loving_trainer(
+        loving_model_dir,
+        tmp_path,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        generation_kwargs={"logit_bias": user_bias, "top_k": 5},
+    )
+    placeholders = placeholder_ids(trainer.processing_class)
+    assert {261, 259} <= placeholders
     rollouts = record_rollouts(trainer)
     trainer.train()
     assert trainer.state.global_step == 3 and metric_values(trainer) == [0.0, 0.0, 0.0]
     assert not any({261, 259} & set(row.tolist()) for output in rollouts for row in output["completion_ids"])
-    assert "bad_words" not in (trainer.vllm_generation.generation_kwargs or {})  # restored after each rollout
+    # the batched ban (vLLM's own SamplingParams where vLLM imports): -inf on every placeholder, the user's bias kept,
+    # and no per-request bad_words left to run in Python at every decode step
+    assert requests and all(type(r).__module__.startswith("vllm") for r in requests) == upstream_imports_vllm()
+    for request in requests:
+        assert request.logit_bias == {65: 1.5, **dict.fromkeys(placeholders, float("-inf"))}
+        assert not request.bad_words and request.top_k == 5
+    assert trainer.vllm_generation.generation_kwargs == {"logit_bias": user_bias, "top_k": 5}  # restored
 
 
 def test_vllm_colocate_without_the_guard_crashes(  # TRL bans nothing on the vLLM path, 1.16 included

@@ -15,10 +15,12 @@ from typing import Any
 from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
 from ..switches import read_choice
+from .watchdog.resume import protected_after_repeated_hang
 
 BACKEND_VARIABLE = "TRL_VLM_FIXES_GDN_PREFILL_BACKEND"
 VALID_BACKENDS = ("triton", "flashinfer")
 DEFAULT_BACKEND = "triton"
+PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (watchdog.resume)
 
 
 class GdnPrefillBackendError(ValueError):
@@ -34,7 +36,7 @@ def selected_backend() -> str:
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Select the prefill backend."""
-    backend = selected_backend()
+    backend = PROTECTED_BACKEND if protected_after_repeated_hang() else selected_backend()
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")

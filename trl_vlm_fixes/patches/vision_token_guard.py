@@ -7,10 +7,10 @@ iterator``) or the image features no longer match the image tokens (``ValueError
 not match``). The guard has two parts, both acting where TRL makes and scores a rollout:
 
 - **ban** (``TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN``): while TRL samples, its placeholders are banned on every path
-  TRL 1.9.1 has: vLLM colocate and server mode get them in ``bad_words`` (exact single-token bans, JSON-safe, so the
-  ban travels with the server request), transformers ``generate`` in ``suppress_tokens``. The user's own settings are
-  kept and ours added; nothing is left on the trainer afterwards. Tokens TRL inserts itself (tool results with
-  images) are not sampled and stay untouched.
+  TRL 1.9.1 has: vLLM colocate gets them as ``logit_bias`` of -inf (batched on the GPU: free at 128 requests), server
+  mode in ``bad_words`` (exact single-token bans, JSON-safe, so the ban travels with the server request), transformers
+  ``generate`` in ``suppress_tokens``. The user's own settings are kept and ours added; nothing is left on the
+  trainer afterwards. Tokens TRL inserts itself (tool results with images) are not sampled and stay untouched.
 - **safety net**: a placeholder that still reaches scoring outside TRL's tool-image path (ban off, a custom
   ``rollout_func``) is replaced by the pad token before any forward pass, counted in
   ``trl_vlm_fixes/vision_token_rows_masked``, and the first one logs a WARNING naming the token. Its row is then out
@@ -88,9 +88,21 @@ def placeholder_tokens(trainer: Any) -> dict[int, str]:
 
 
 def _with_bad_words(generation_kwargs: dict[str, Any] | None, tokens: list[str]) -> dict[str, Any]:
+    """Server mode: words survive the request's JSON (a ``logit_bias`` dict's int keys would arrive as strings, which
+    TRL 1.9.1's ``vllm-serve`` passes to ``SamplingParams(**kwargs)`` unconverted)."""
     merged = dict(generation_kwargs or {})
     own = list(merged.get("bad_words") or [])
     merged["bad_words"] = own + [token for token in tokens if token not in own]
+    return merged
+
+
+def _with_logit_bias(generation_kwargs: dict[str, Any] | None, token_ids: list[int]) -> dict[str, Any]:
+    """Colocate: a bias of -inf on each placeholder. vLLM 0.25.1 applies ``logit_bias`` batched on the GPU (one indexed
+    add for the whole batch, ``LogitBiasLogitsProcessor``), where ``bad_words`` runs in Python per request and step:
+    measured at 128 requests on an 8.95B engine, the ban costs nothing with it and 11% with ``bad_words``. TRL builds
+    ``SamplingParams(**kwargs)`` directly, so -inf is not clamped: the token's probability is exactly 0."""
+    merged = dict(generation_kwargs or {})
+    merged["logit_bias"] = {**dict(merged.get("logit_bias") or {}), **dict.fromkeys(token_ids, float("-inf"))}
     return merged
 
 
@@ -99,9 +111,12 @@ def banned_while_sampling(trainer: Any, placeholders: dict[int, str]) -> Iterato
     """The placeholders are banned on TRL's generation paths for the duration of one rollout, then put back."""
     restore: list[tuple[Any, str, Any]] = []
     generation = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
-    if generation is not None:  # colocate and server mode: vLLM SamplingParams(bad_words=...)
+    if generation is not None:  # vLLM SamplingParams: logit_bias in colocate, bad_words through the server's JSON
         restore.append((generation, "generation_kwargs", generation.generation_kwargs))
-        generation.generation_kwargs = _with_bad_words(generation.generation_kwargs, list(placeholders.values()))
+        if getattr(generation, "mode", None) == "colocate":
+            generation.generation_kwargs = _with_logit_bias(generation.generation_kwargs, list(placeholders))
+        else:
+            generation.generation_kwargs = _with_bad_words(generation.generation_kwargs, list(placeholders.values()))
     config = getattr(trainer, "generation_config", None)
     if config is not None and hasattr(config, "suppress_tokens"):  # transformers generate and continuous batching
         restore.append((config, "suppress_tokens", config.suppress_tokens))

@@ -226,16 +226,19 @@ def engine_cudagraph_mode(config: Any) -> str:
 
 
 def check_cudagraph(model_dir: Path, processor: Any) -> CheckResult:
+    """The CUDA-graph mode the engine TRL builds for a Gated-DeltaNet model gets, as vLLM's CompilationConfig reads it:
+    upstream vLLM's default graphs (GDN decode captured), with the fix one that captures no GDN kernel."""
     from ..patches.cudagraph import selected_mode
     from .rollout_schedule import build_generation
 
     def measure() -> str:
         return engine_cudagraph_mode(build_generation(model_dir, processor).llm.init_kwargs.get("compilation_config"))
 
-    def bug(mode: str) -> tuple[bool, str]:
-        return mode != "NONE", f"fix off: the engine TRL builds for a Gated-DeltaNet model gets cudagraph_mode={mode}"
+    def bug(mode: str) -> tuple[bool | None, str]:
+        captured = mode not in ("NONE", "PIECEWISE")
+        return captured, f"fix off: the engine TRL builds for a Gated-DeltaNet model gets cudagraph_mode={mode}"
 
-    def fix(mode: str) -> tuple[bool, str]:
+    def fix(mode: str) -> tuple[bool | None, str]:
         return mode == selected_mode(), f"fix on: vLLM's CompilationConfig gets cudagraph_mode={mode}"
 
     return _off_then_on("cudagraph", measure, bug, fix)
