@@ -9,6 +9,7 @@ image sizes, several images per prompt, and an image a tool returns.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from io import BytesIO
 from pathlib import Path
@@ -309,13 +310,36 @@ def test_a_processor_setting_the_engine_never_got_is_counted_and_logged_once(
     assert "resize differently" in lines[0] and "vLLM " in lines[0] and "trainer " in lines[0]
 
 
-def test_check_reports_the_double_expansion_cause() -> None:
-    trainer_ids = [1, 5, 5, 5, 2]
-    engine_ids = [1, 5, 5, 5, 5, 5, 2]
-    cause = prompt_parity.likely_cause(engine_ids, trainer_ids, images=1, pad_id=5, collapsed=False)
+def test_check_names_each_cause() -> None:
+    trainer = [[1, 5, 5, 5, 2], [1, 7, 2], [1, 5, 5, 2, 5, 2]]
+    doubled = [1, 5, 5, 5, 5, 5, 2]
+    cause = prompt_parity.likely_cause(doubled, trainer, row=0, images=1, pad_id=5, rewritten=False)
     assert "a second time" in cause
-    assert prompt_parity.mismatched_rows([engine_ids, [3]], [trainer_ids, [3]]) == [0]
-    assert prompt_parity.mismatched_rows(None, [trainer_ids]) == [0]
+    cause = prompt_parity.likely_cause([1, 5, 5, 2], trainer, row=0, images=1, pad_id=5, rewritten=True)
+    assert "resize differently" in cause and "save_pretrained" in cause
+    cause = prompt_parity.likely_cause(trainer[1], trainer, row=0, images=1, pad_id=5, rewritten=True)
+    assert "another row's prompt" in cause
+    cause = prompt_parity.likely_cause([1, 5, 5, 5, 2, 5, 5, 2], trainer, row=2, images=1, pad_id=5, rewritten=False)
+    assert "2 image pad runs for 1 images" in cause
+    assert prompt_parity.mismatched_rows([doubled, [1, 7, 2]], trainer[:2]) == [0]
+    assert prompt_parity.mismatched_rows(None, trainer) == [0, 1, 2]
+
+
+def test_prompts_of_other_types_are_checked_or_named(
+    make_generation: Any, recording_engine: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """A rollout_func may pass tuples or tensors: they are read as id lists and checked; anything else is named."""
+    import torch
+
+    from trl_vlm_fixes import log_once
+
+    monkeypatch.setattr(log_once, "_said", set())
+    generation = make_generation(enable_sleep_mode=False)
+    generation.generate(prompts=[(1, 2, 3), torch.tensor([4, 5])], images=None, num_generations=1)
+    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 0.0}
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"), contextlib.suppress(Exception):  # the engine's to judge
+        generation.generate(prompts="not ids", images=None, num_generations=1)
+    assert any("cannot read prompts of type str" in r.getMessage() for r in caplog.records)
 
 
 def test_collapse_keeps_everything_but_repeated_pads() -> None:
@@ -358,6 +382,38 @@ def test_steps_aside_for_an_unproven_family_with_one_line(
     assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 2.0}
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_other_proven_families_reach_the_engine_unchanged(
+    family_model_dir: Any, recording_engine: Any, one_fix_off: Any, family: str
+) -> None:
+    """Qwen3-VL and Qwen2.5-VL through TRL's VLLMGeneration and vLLM's own processor for each: two images of other
+    sizes in one prompt, doubly expanded with the fix off, identical with it on."""
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
+
+    model_dir = family_model_dir(family)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    images = [make_image(96, 64, 0), make_image(128, 96, 1)]
+    messages = conversation("two pictures", 2)
+    for part, image in zip(messages[0]["content"], images, strict=False):
+        part["image"] = image
+    tokenized = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    ids = list(tokenized["input_ids"][0])
+    seen = []
+    for fix_on in (True, False):
+        if not fix_on:
+            one_fix_off("prompt_parity")
+        generation = build_generation(model_dir, processor, enable_sleep_mode=False)
+        generation.generate(prompts=[ids], images=[images], num_generations=1)
+        assert generation.llm.mm_processing == "vllm"
+        seen.append(generation.llm.prompts_seen[0])
+    pad = processor.image_token_id
+    assert prompt_parity.count_runs(ids, pad) == 2 and pad_count(ids, pad) > 2
+    assert seen[0] == ids
+    assert pad_count(seen[1], pad) == 2 * pad_count(ids, pad) - 2
+
+
 def test_text_prompts_pass_untouched(make_generation: Any, recording_engine: Any) -> None:
     generation = make_generation(enable_sleep_mode=False)
     generation.generate(prompts=[[1, 2, 3], [4, 5]], images=None, num_generations=1)
@@ -368,10 +424,12 @@ def test_text_prompts_pass_untouched(make_generation: Any, recording_engine: Any
 def test_installed_trl_sends_expanded_ids_where_expected() -> None:
     """TRL 1.9.1: colocate and server mode send the processor-expanded ids with raw images. TRL >= 1.11 serves
     server mode with processed image features placed on the expanded ids: colocate only."""
-    from helpers import server_builds_engine_in_llm_worker
+    import inspect
+
     from trl.generation.vllm_generation import VLLMGeneration
 
-    expected = {"colocate", "server"} if server_builds_engine_in_llm_worker() else {"colocate"}
+    server_sends_features = "features=" in inspect.getsource(VLLMGeneration.generate)  # TRL >= 1.11's server path
+    expected = {"colocate"} if server_sends_features else {"colocate", "server"}
     assert prompt_parity.modes_sending_expanded_ids(VLLMGeneration.generate) == expected
 
 

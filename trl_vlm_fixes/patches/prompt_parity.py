@@ -194,11 +194,27 @@ def mismatched_rows(
 
 
 def likely_cause(
-    engine_ids: Sequence[int], trainer_ids: list[int], images: int, pad_id: int | None, collapsed: bool
+    engine_ids: Sequence[int],
+    trainer_prompt_ids: list[list[int]],
+    row: int,
+    images: int,
+    pad_id: int | None,
+    rewritten: bool,
 ) -> str:
-    engine_pads = sum(1 for t in engine_ids if t == pad_id)
+    """Why row ``row`` of the engine's prompts is not the trainer's, from the two id lists alone."""
+    trainer_ids = trainer_prompt_ids[row]
+    engine = list(engine_ids)
+    if any(engine == other for i, other in enumerate(trainer_prompt_ids) if i != row):
+        return (
+            "vLLM sampled this row from another row's prompt (TRL 1.9.1's server mode keeps one prompt per "
+            "num_generations rows, which its tool loop also does for rows with different histories)"
+        )
+    engine_pads = engine.count(pad_id) if pad_id is not None else 0
     trainer_pads = trainer_ids.count(pad_id) if pad_id is not None else 0
-    if not collapsed and images and engine_pads == 2 * trainer_pads - images:
+    runs = count_runs(trainer_ids, pad_id) if pad_id is not None else 0
+    if images and runs != images:
+        return f"the row holds {runs} image pad runs for {images} images, so it went to vLLM as TRL built it"
+    if not rewritten and images and engine_pads == 2 * trainer_pads - images:
         return (
             "vLLM expanded the trainer's already expanded image placeholders a second time (prompt_parity is off or "
             "stepped aside for this model or mode)"
@@ -206,8 +222,9 @@ def likely_cause(
     if engine_pads != trainer_pads:
         return (
             "vLLM's processor expanded the images to another number of tokens than the trainer's processor: they "
-            "resize differently (pass the trainer's processor settings, e.g. min_pixels/max_pixels, to the engine "
-            "through vllm mm_processor_kwargs)"
+            "resize differently (TRL gives the engine no mm_processor_kwargs, so save the trainer's processor "
+            "settings, e.g. min_pixels/max_pixels, with processor.save_pretrained into the model folder the engine "
+            "loads)"
         )
     return "the engine tokenized or rewrote the text of the prompt differently (an upstream change)"
 
@@ -218,7 +235,7 @@ def _report(
     engine_prompt_ids: Sequence[Sequence[int]] | None,
     trainer_prompt_ids: list[list[int]],
     images: list[Any] | None,
-    collapsed: bool,
+    sent: list[list[int]] | None,
 ) -> None:
     row = rows[0]
     trainer_ids = trainer_prompt_ids[row]
@@ -228,7 +245,8 @@ def _report(
     else:
         engine_ids = engine_prompt_ids[row]
         wanted = _images_in(images[row]) if images is not None and row < len(images) else 0
-        cause = likely_cause(engine_ids, trainer_ids, wanted, _image_pad_id(generation), collapsed)
+        rewritten = sent is not None and sent[row] is not trainer_ids
+        cause = likely_cause(engine_ids, trainer_prompt_ids, row, wanted, _image_pad_id(generation), rewritten)
     warn_once(
         ("prompt_parity mismatch", cause),
         "trl_vlm_fixes.prompt_parity: vLLM sampled %d of %d rows from another prompt than the trainer scores (first: "
@@ -241,6 +259,24 @@ def _report(
         cause,
         metrics.PROMPT_MISMATCH_ROWS,
     )
+
+
+def _as_id_lists(prompts: Any) -> list[list[int]] | None:
+    """The prompts as lists of ints (TRL's own are; a ``rollout_func`` may pass tuples or tensors), else None."""
+    if not isinstance(prompts, list | tuple):
+        return None
+    rows = []
+    for ids in prompts:
+        if isinstance(ids, list):
+            rows.append(ids)
+        elif hasattr(ids, "tolist") or isinstance(ids, tuple):
+            as_list = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if not isinstance(as_list, list):
+                return None
+            rows.append(as_list)
+        else:
+            return None
+    return rows
 
 
 def _collapsed_for_vllm(instance: Any, wrapped: Callable[..., Any], prompts: list[list[int]], images: Any) -> Any:
@@ -271,12 +307,19 @@ def _collapsed_for_vllm(instance: Any, wrapped: Callable[..., Any], prompts: lis
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``VLLMGeneration.generate(prompts, images, ...)``: collapse what vLLM gets, generate, compare what it used."""
     bound = bind(wrapped, args, kwargs)
-    prompts, images = bound.arguments.get("prompts"), bound.arguments.get("images")
-    if not (isinstance(prompts, list) and all(isinstance(ids, list) for ids in prompts)):
+    prompts, images = _as_id_lists(bound.arguments.get("prompts")), bound.arguments.get("images")
+    if prompts is None:
+        warn_once(
+            ("prompt_parity unreadable", type(bound.arguments.get("prompts")).__name__),
+            "trl_vlm_fixes.prompt_parity cannot read prompts of type %s as token id lists: they go to vLLM as given "
+            "and are not checked.",
+            type(bound.arguments.get("prompts")).__name__,
+        )
         return wrapped(*args, **kwargs)
-    sent = None
-    if isinstance(images, list) and any(_images_in(row) for row in images):
-        sent = _collapsed_for_vllm(instance, wrapped, prompts, images)
+    has_images = isinstance(images, list) and any(_images_in(row) for row in images)
+    sent = _collapsed_for_vllm(instance, wrapped, prompts, images) if has_images else None
+    if not has_images:
+        _warn_pads_without_images(instance, prompts)
     if sent is not None:
         bound.arguments["prompts"] = sent
         result = wrapped(*bound.args, **bound.kwargs)
@@ -286,8 +329,19 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     rows = mismatched_rows(engine_prompt_ids, prompts)
     metrics.count(instance, metrics.PROMPT_MISMATCH_ROWS, len(rows))  # 0 too: the metric shows the check ran
     if rows:
-        _report(instance, rows, engine_prompt_ids, prompts, images, sent is not None)
+        _report(instance, rows, engine_prompt_ids, prompts, images, sent)
     return result
+
+
+def _warn_pads_without_images(generation: Any, prompts: list[list[int]]) -> None:
+    """Image pads with no image sent along (a sampled pad fed back in a tool loop): vLLM reads them as text."""
+    pad_id = _image_pad_id(generation)
+    if pad_id is not None and any(pad_id in ids for ids in prompts):
+        warn_once(
+            ("prompt_parity pads without images",),
+            "trl_vlm_fixes.prompt_parity: a prompt holds image pad tokens but no image goes with it; vLLM reads them "
+            "as plain tokens (a sampled placeholder fed back? keep vision_token_guard on).",
+        )
 
 
 FIX = Fix(
