@@ -421,3 +421,44 @@ def test_masked_rows_score_none_in_every_kind_of_reward_function(monkeypatch: py
     assert logits[0] == 1.0 and logits[2] == 3.0 and logits[1] != logits[1]  # NaN
     assert trainer.reward_funcs == original and not original[2]._forward_hooks
     assert not logging.getLogger(calculate_rewards.__module__).filters
+
+
+def test_server_engine_gets_the_placeholder_words_as_the_batched_ban(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In `trl vllm-serve`'s worker (TRL's vllm_serve.py on the stack, under any module name), the placeholder words
+    the trainer's request carries in `bad_words` reach vLLM's real SamplingParams as -inf `logit_bias` (batched);
+    the user's own words and biases stay, and an engine outside the server is left as the request came."""
+    import types
+
+    pytest.importorskip("vllm")
+    import trl.scripts.vllm_serve as vllm_serve
+    import vllm.entrypoints.llm as llm_module
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    layer = vars(llm_module.LLM)["generate"]
+    while type(layer.__wrapped__) is not types.FunctionType:  # below every fix's wrapper (type(): proxies lie)
+        layer = layer.__wrapped__
+    received: list[Any] = []
+    monkeypatch.setattr(
+        layer, "__wrapped__", lambda self, prompts, sampling_params=None, **_: received.append(sampling_params)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = object.__new__(llm_module.LLM)
+    engine.get_tokenizer = lambda: tokenizer  # type: ignore[method-assign]
+
+    def request() -> Any:  # what the trainer's guard sends through JSON
+        return SamplingParams(bad_words=["hello", *PLACEHOLDERS], logit_bias={65: 1.0}, max_tokens=4)
+
+    worker = "def llm_worker(llm, params):\n    return llm.generate(['x'], sampling_params=params)\n"
+    for name in ("__main__", "__mp_main__"):
+        namespace: dict[str, Any] = {"__name__": name}
+        exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
+        namespace["llm_worker"](engine, request())
+    engine.generate(["x"], sampling_params=request())  # a user's own engine
+    placeholder_ids = {tokenizer.convert_tokens_to_ids(token) for token in PLACEHOLDERS}
+    for served in received[:2]:
+        assert served.bad_words == ["hello"]
+        assert served.logit_bias == {65: 1.0, **dict.fromkeys(placeholder_ids, float("-inf"))}
+    assert received[2].bad_words == ["hello", *PLACEHOLDERS] and received[2].logit_bias == {65: 1.0}

@@ -170,7 +170,7 @@ def _server_file() -> str | None:
     return os.path.join(locations[0], "scripts", "vllm_serve.py") if locations else None
 
 
-def _server_is_calling() -> bool:
+def server_is_calling() -> bool:
     """Is TRL's server code on the stack? Its module is ``trl.scripts.vllm_serve`` under ``trl vllm-serve``,
     ``__main__`` under ``python -m`` and ``__mp_main__`` in spawned workers; its file is the same in all three."""
     server_file = _server_file()
@@ -186,7 +186,7 @@ def _wrapper(target_key: str, builder: _Builder, contribution: _Contribution) ->
     """The wrapper one engine fix puts on one place where TRL builds an engine."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if builder.server and not _server_is_calling():  # another engine than TRL's server: not ours to change
+        if builder.server and not server_is_calling():  # another engine than TRL's server: not ours to change
             return wrapped(*args, **kwargs)
         pending = _pending.get()
         token = None

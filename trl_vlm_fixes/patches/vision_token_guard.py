@@ -8,7 +8,8 @@ not match``). The guard has two parts, both acting where TRL makes and scores a 
 
 - **ban** (``TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN``): while TRL samples, its placeholders are banned on every path
   TRL 1.9.1 has: vLLM colocate gets them as ``logit_bias`` of -inf (batched on the GPU: free at 128 requests), server
-  mode in ``bad_words`` (exact single-token bans, JSON-safe, so the ban travels with the server request), transformers
+  mode in ``bad_words`` (exact single-token bans, JSON-safe, so the ban travels with the server request; where the
+  plugin runs in ``trl vllm-serve`` too, its engine gets them as the same batched -inf ``logit_bias``), transformers
   ``generate`` in ``suppress_tokens``. The user's own settings are kept and ours added; nothing is left on the
   trainer afterwards. Tokens TRL inserts itself (tool results with images) are not sampled and stay untouched.
 - **safety net**: a placeholder that still reaches scoring outside TRL's tool-image path (ban off, a custom
@@ -36,8 +37,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import metrics
+from ..call_arguments import bind
+from ..engine_args import server_is_calling
 from ..log_once import warn_once
-from ..registry import Fix, on_trainers
+from ..registry import Fix, Target, on_trainers
 from ..switches import VISION_TOKEN_BAN_SWITCH, read_bool
 
 # Placeholder tokens of the Qwen VLM processors (image, video, audio placeholders and the vision frame markers)
@@ -127,6 +130,36 @@ def banned_while_sampling(trainer: Any, placeholders: dict[int, str]) -> Iterato
     finally:
         for holder, attribute, value in restore:
             setattr(holder, attribute, value)
+
+
+def server_ban_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``vllm.LLM.generate`` inside TRL's ``vllm-serve`` worker: the placeholder words of the request's ``bad_words``
+    (banned by the trainer's guard: Python per request and step in vLLM) become the same batched -inf ``logit_bias``
+    the colocated engine gets. Elsewhere, and for every other word, the request is left as it came."""
+    if not server_is_calling():
+        return wrapped(*args, **kwargs)
+    bound = bind(wrapped, args, kwargs)
+    params = bound.arguments.get("sampling_params")
+    for one in params if isinstance(params, list) else [params]:
+        _placeholder_words_as_logit_bias(one, instance)
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+def _placeholder_words_as_logit_bias(params: Any, engine: Any) -> None:
+    words = list(getattr(params, "bad_words", None) or [])
+    candidates = [word for word in words if word in KNOWN_PLACEHOLDERS]
+    if not candidates:
+        return
+    tokenizer = engine.get_tokenizer()
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    token_ids = {word: tokenizer.convert_tokens_to_ids(word) for word in candidates}
+    moved = {word: t for word, t in token_ids.items() if isinstance(t, int) and t != unknown}
+    if not moved:
+        return
+    params.bad_words = [word for word in words if word not in moved]
+    params.logit_bias = {**dict(params.logit_bias or {}), **dict.fromkeys(moved.values(), float("-inf"))}
 
 
 def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, str]) -> Any:
@@ -286,11 +319,15 @@ FIX = Fix(
     name="vision_token_guard",
     summary="sampled vision placeholder tokens are banned, and masked out of the loss if one still gets through",
     packages=("trl",),
-    targets=on_trainers(
-        {
-            "_generate": rollout_wrapper,
-            "_calculate_rewards": rewards_wrapper,
-            "_generate_and_score_completions": scoring_wrapper,
-        }
+    targets=(
+        *on_trainers(
+            {
+                "_generate": rollout_wrapper,
+                "_calculate_rewards": rewards_wrapper,
+                "_generate_and_score_completions": scoring_wrapper,
+            }
+        ),
+        # trl vllm-serve's engine (only where vLLM is installed: its absence is not a skip)
+        Target("vllm.entrypoints.llm", "LLM.generate", server_ban_wrapper, optional=True),
     ),
 )
