@@ -42,19 +42,55 @@ def test_skipping_the_reload_alone_gives_garbage(
     assert loop.on_zeros >= 3
 
 
+class PushAudit(StandInLLM):
+    """Counts redundant pushes: pushes before a generate that only wrote values the engine already held."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.redundant_pushes = 0
+        self._already_held: list[bool] = []  # per tensor loaded since the last generate
+        loader = self.llm_engine.model_executor.driver_worker.model_runner.model
+        load = loader.load_weights
+
+        def audited(weights: Any) -> Any:
+            weights = list(weights)
+            self._already_held += [n in self.weights and torch.equal(self.weights[n], t.cpu()) for n, t in weights]
+            return load(weights)
+
+        loader.load_weights = audited
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.redundant_pushes += bool(self._already_held) and all(self._already_held)
+        self._already_held = []
+        return super().generate(*args, **kwargs)
+
+
+def schedule_steps(loop: TrainerLoop) -> list[Callable[[], None]]:
+    """run_schedule's steps, one by one, so that the engine can be checked between them."""
+    return [
+        loop.trl_generate,
+        loop.optimizer_step,
+        loop.trl_generate,
+        loop.trl_generate,
+        lambda: loop.tool_rollout(turns=3),
+        loop.generate_again,
+        loop.optimizer_step,
+        loop.trl_generate,
+        loop.trl_generate,
+    ]
+
+
 def test_rollouts_run_on_current_weights_with_fix(make_generation: Callable[..., Any]) -> None:
-    loop = TrainerLoop(make_generation())
-    run_schedule(loop)
-    assert loop.stale == 0
+    """Every generate on the trainer's current weights, no push that only rewrote what the engine held, at most one
+    full push per generate, and after every rollout the engine is asleep at level 2 as upstream (GPU memory freed)."""
+    loop = TrainerLoop(make_generation(engine_class=PushAudit))
+    for step in schedule_steps(loop):
+        step()
+        assert not (loop.engine.weights_awake or loop.engine.kv_cache_awake) and loop.engine.sleeps[-1] == 2
+    assert loop.generates == 9 and loop.stale == 0
     assert loop.engine.disk_reloads == 0
+    assert loop.engine.redundant_pushes == 0
     assert loop.max_full_pushes_per_generate <= 1.0
-    if upstream_reloads_from_disk():
-        state = trl_vlm_fixes.patches.reload_skip.engine_weights(loop.generation)
-        # re-pushes: the 2nd rollout of a step, the tool rollout's first turn (not its 2 later turns), the lone
-        # generate and the evaluation rollout; TRL's own 3 syncs cover the rest
-        assert state.repushes == 4 and state.reloads_skipped == loop.generates
-        # one level-2 sleep at start, then one per generate except the two later tool turns (deferred, done once)
-        assert loop.engine.sleeps == [2] * (1 + loop.generates - 2)
 
 
 @pytest.mark.skipif(upstream_reloads_from_disk(), reason="TRL 1.9.1 has the bug (shown above)")
@@ -202,7 +238,7 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
     assert all(engine_weights_match(engine_state, current) for engine_state, current in records)
     assert not engine_weights_match(engine.checkpoint, records[-1][1]), "training never moved the weights"
     assert engine.disk_reloads == 0
-    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     if upstream_reloads_from_disk():
         logged = [log for log in trainer.state.log_history if "trl_vlm_fixes/weight_repushes" in log]
         assert logged and all(log["trl_vlm_fixes/disk_reloads_skipped"] >= 1 for log in logged)
@@ -226,9 +262,16 @@ def test_grpo_colocate_sleep_mode_end_to_end_upstream_is_stale(
 
 def test_stand_in_matches_the_real_vllm_signatures() -> None:
     vllm = pytest.importorskip("vllm")
-    for method in ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "generate"):
-        real = inspect.signature(getattr(vllm.LLM, method)).parameters
-        ours = inspect.signature(getattr(StandInLLM, method)).parameters
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from trl_vlm_fixes.selftest import engine_standin
+
+    methods = [(vllm.LLM, StandInLLM, m) for m in ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache")]
+    methods += [(vllm.LLM, StandInLLM, "reset_mm_cache"), (vllm.LLM, StandInLLM, "generate")]
+    methods += [(LLMEngine, engine_standin._EngineLoop, "reset_encoder_cache")]  # LLM has none of its own
+    for real_class, our_class, method in methods:
+        real = inspect.signature(getattr(real_class, method)).parameters
+        ours = inspect.signature(getattr(our_class, method)).parameters
         assert list(ours) == list(real), method
         for name, parameter in ours.items():
             assert parameter.kind == real[name].kind, (method, name)
@@ -284,8 +327,18 @@ def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir
     every turn on the trainer's current weights, no disk reload, no push beyond TRL's own sync per step."""
     ranks = run_tool_loop_ranks(tiny_model_dir, tmp_path, "2,0")
     assert [r["generates"] for r in ranks] == [6, 2] and all(r["steps"] == 2 for r in ranks)
+    # the same collectives, in the same order, with the same plugin frame on the stack: a push (parameter gather)
+    # or any collective the plugin caused on one rank only would differ here
+    assert ranks[0]["collectives"] == ranks[1]["collectives"]
+    assert any(op.startswith("gather_params") for op, _ in ranks[0]["collectives"]), "pushes are not recorded"
     for record in ranks:
-        assert record["plugin_collectives"] == [], record["plugin_collectives"]
+        # a push of reload_skip's own (generate_wrapper -> sync_weights): none here, TRL's sync per step suffices
+        own = [op for op, frames in record["collectives"] if "patches/reload_skip.py:generate_wrapper" in frames]
+        assert own == [], own
+        reduces = [op for op, frames in record["collectives"] if frames and frames[0].startswith("metrics.py")]
+        assert reduces == ["all_reduce"] * len(record["logs"])  # metrics' one collective: once per log, every rank
+        # 3 + 1 skipped disk reloads per step (one per generate), the sum over ranks in every rank's log
+        assert [log.get("trl_vlm_fixes/disk_reloads_skipped") for log in record["logs"][:2]] == [4.0, 4.0]
         assert record["on_current_weights"] == record["generates"]
         assert record["disk_reloads"] == 0
         if upstream_reloads_from_disk():  # the fix acts (TRL >= 1.16 re-pushes every turn itself)
@@ -353,6 +406,7 @@ def test_fingerprint_sees_and_misses_exactly_what_its_docstring_says() -> None:
     assert parameters_fingerprint(model) != seen
     seen = parameters_fingerprint(model)
     model.weight.data.add_(1.0)  # through p.data: documented as not seen
+    assert parameters_fingerprint(model) == seen
     flat = torch.zeros(6)
     model.weight.data = flat.view(2, 3)
     seen = parameters_fingerprint(model)
@@ -392,3 +446,68 @@ def test_source_guards_on_the_installed_trl() -> None:
 
     assert _reload_shape(VLLMGeneration.generate) is None
     assert (_upstream_repushes(VLLMGeneration.generate) is None) == upstream_reloads_from_disk()
+
+
+# --- vLLM's caches after a push into an awake engine; level-1 sleep between tool turns -------------------------------
+
+
+def image_prompt(processor: Any) -> tuple[list[int], Any]:
+    from trl_vlm_fixes.selftest.fixtures import make_image
+
+    image = make_image(96, 64)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
+    encoded = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    return list(encoded["input_ids"][0]), image
+
+
+@bug_present
+@pytest.mark.parametrize("trained_between_turns", [True, False])
+def test_a_push_between_turns_drops_the_old_vision_embeddings(
+    make_generation: Callable[..., Any], processor: Any, monkeypatch: pytest.MonkeyPatch, trained_between_turns: bool
+) -> None:
+    """Two turns of one rollout show the same image. If the trainer's weights change between them (the fingerprint
+    path pushes into the awake engine), the second turn must not reuse the first turn's vision embeddings; if they
+    do not change, the encoder cache is kept (no reset where none is needed)."""
+    from trl_vlm_fixes.patches.reload_skip import rollout_scope
+
+    loop = TrainerLoop(make_generation())
+    generation, engine = loop.generation, loop.engine
+    resets: list[int] = []
+    reset = engine.llm_engine.reset_encoder_cache
+    monkeypatch.setattr(engine.llm_engine, "reset_encoder_cache", lambda: resets.append(1) or reset())
+    ids, image = image_prompt(processor)
+    with rollout_scope(generation):
+        generation.generate(prompts=[ids], images=[[image]], num_generations=1)
+        if trained_between_turns:
+            loop.optimizer_step()  # e.g. a rollout_func that trains between turns: no sync of TRL's
+        generation.generate(prompts=[ids], images=[[image]], num_generations=1)
+        assert engine.caches.encoder, "the image never reached the stand-in's encoder cache"
+    assert engine.caches.stale_reads == []
+    assert engine_weights_match(engine.rollouts[-1], trainer_weights(loop.model))
+    assert len(resets) == trained_between_turns
+
+
+@bug_present
+def test_tool_sleep_frees_the_gpu_between_turns_without_a_push(
+    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP=1: where the tool runs, the engine holds neither weights nor KV cache on
+    the GPU (level 1: weights in CPU memory); each turn runs on current weights with no push beyond TRL's sync."""
+    from trl_vlm_fixes.patches.reload_skip import rollout_scope
+
+    monkeypatch.setenv("TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP", "1")
+    loop = TrainerLoop(make_generation())
+    engine = loop.engine
+    loop.optimizer_step()
+    pushes = engine.tensor_pushes
+    freed_for_the_tool = []
+    with rollout_scope(loop.generation):
+        loop.trl_generate()
+        for _ in range(3):
+            freed_for_the_tool.append(not (engine.weights_awake or engine.kv_cache_awake) and engine.sleeps[-1] == 1)
+            loop.generate_again()
+    assert freed_for_the_tool == [True, True, True]
+    assert not (engine.weights_awake or engine.kv_cache_awake)  # the rollout ends asleep
+    loop.trl_generate()  # a second rollout in the same step: the weights come back from CPU memory
+    assert loop.stale == 0 and engine.disk_reloads == 0
+    assert engine.tensor_pushes - pushes == loop._parameters  # TRL's one sync for the step, nothing more

@@ -1,7 +1,8 @@
-"""Per-step counters of the fixes' work, flushed into the trainer's own metrics when it logs.
+"""Per-interval counters of the fixes' work, summed over ranks and flushed into the trainer's metrics when it logs.
 
 Counters may be 0-dim tensors on the GPU: they are only read (``float``) when the trainer logs, which synchronizes
-anyway, so counting adds no synchronization to the training step.
+anyway, so counting adds no synchronization to the training step. Each rank counts its own work; only the main
+process reports, so the log call adds every rank's counts up (one small all-reduce, see ``summed_over_ranks``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ WEIGHT_REPUSHES = PREFIX + "weight_repushes"
 DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
 VISION_TOKEN_ROWS_MASKED = PREFIX + "vision_token_rows_masked"
 PROMPT_MISMATCH_ROWS = PREFIX + "prompt_mismatch_rows"
+# the counters summed over ranks, in a fixed order: every rank reduces the same vector whatever it counted
+COUNTERS = (REALIGNED_ROWS, WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED, VISION_TOKEN_ROWS_MASKED, PROMPT_MISMATCH_ROWS)
 
-# One running total per owner and counter: memory stays bounded whatever logging_steps is, and for owners nobody
-# drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).
+# One value per owner and counter until the next log: memory stays bounded whatever logging_steps is, and for owners
+# nobody drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).
 _counters: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def count(owner: Any, name: str, amount: Any) -> None:
-    """Add ``amount`` (an int or a 0-dim tensor, kept on its device) to ``owner``'s running total ``name``."""
+    """Add ``amount`` (an int or a 0-dim tensor, kept on its device) to ``owner``'s count ``name`` (one of COUNTERS)."""
     # an owner that cannot be weakly referenced: counting is best effort, never an error
     with contextlib.suppress(TypeError):
         totals = _counters.setdefault(owner, {})
@@ -34,21 +37,50 @@ def count(owner: Any, name: str, amount: Any) -> None:
 
 
 def drain(owner: Any) -> dict[str, float]:
-    """Read and reset ``owner``'s totals (the one place a device counter is read)."""
+    """Read and reset ``owner``'s counts (the one place a device counter is read)."""
     pending = _counters.pop(owner, None) if owner is not None else None
     if not pending:
         return {}
     return {name: float(total) for name, total in pending.items()}
 
 
+def summed_over_ranks(values: dict[str, float], accelerator: Any) -> dict[str, float]:
+    """Every rank's counts of this interval added up; a counter appears if any rank counted it.
+
+    One ``accelerator.reduce`` (an all-reduce) of a vector of fixed size, made on every rank at every ``log``:
+    transformers' Trainer calls ``log`` on every rank at the same points (``_maybe_log_save_evaluate`` right after
+    the all-rank ``nested_gather`` of the loss, ``_finalize_training`` after ``store_flos``'s broadcast, ``evaluate``
+    after the evaluation loop's gathers), never from a rank-local branch, so the count of these collectives is the
+    same on every rank whatever each rank counted. A single process reduces nothing.
+    """
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        return values
+    import torch
+
+    local = [values.get(name, 0.0) for name in COUNTERS] + [float(name in values) for name in COUNTERS]
+    summed = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+    total = {name: summed[i] for i, name in enumerate(COUNTERS) if summed[len(COUNTERS) + i] > 0}
+    total.update({name: value for name, value in values.items() if name not in COUNTERS})  # none today: rank-local
+    return total
+
+
+def _local_counts(instance: Any) -> dict[str, float]:
+    values = drain(instance)
+    for name, value in drain(getattr(instance, "vllm_generation", None)).items():
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
 def flush_into_trainer_log(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """Wrapper of the trainers' ``log``: adds this interval's counters to TRL's own metrics, then logs."""
+    """Wrapper of the trainers' ``log``: adds this interval's counts, summed over ranks, to TRL's metrics, then logs."""
     try:
-        values = drain(instance)
-        for name, value in drain(getattr(instance, "vllm_generation", None)).items():
-            values[name] = values.get(name, 0.0) + value
+        values = _local_counts(instance)
+    except Exception:  # noqa: BLE001 - metrics must never break logging; this rank still joins the reduce below
+        values = {}
+    values = summed_over_ranks(values, getattr(instance, "accelerator", None))
+    try:
         if values:
             mode = "train" if instance.model.training else "eval"
             for name, value in values.items():

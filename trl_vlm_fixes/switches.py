@@ -10,7 +10,11 @@ STRICT_SWITCH = "TRL_VLM_FIXES_STRICT"
 CUDAGRAPH_MODE_VARIABLE = "TRL_VLM_FIXES_CUDAGRAPH_MODE"
 # a part of a fix that can be turned off alone (the rest of the fix stays on)
 VISION_TOKEN_BAN_SWITCH = "TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN"
-BOOLEAN_SUB_SWITCHES = (VISION_TOKEN_BAN_SWITCH,)
+# reload_skip: level-1 sleep between the turns of a tool loop (default off: the engine stays awake between turns)
+RELOAD_SKIP_TOOL_SLEEP_SWITCH = "TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP"
+# watchdog: resume after a watchdog exit (default on); 0: the watchdog still fires, a restart starts as upstream does
+WATCHDOG_RESUME_SWITCH = "TRL_VLM_FIXES_WATCHDOG_RESUME"
+BOOLEAN_SUB_SWITCHES = (VISION_TOKEN_BAN_SWITCH, RELOAD_SKIP_TOOL_SLEEP_SWITCH, WATCHDOG_RESUME_SWITCH)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -57,7 +61,9 @@ def read_bool(variable: str, default: bool) -> bool:
 
 
 WATCHDOG_SWITCH = "TRL_VLM_FIXES_WATCHDOG"
-DEFAULT_WATCHDOG_SECONDS = 1800.0  # the default limit: the one place it is set
+# the default limit, the one place it is set: 10 minutes without an engine step (a step is one decode token, or one
+# prefill chunk: seconds at most); the floor of every other phase; 3x it for a server-mode generate
+DEFAULT_WATCHDOG_SECONDS = 600.0
 MIN_WATCHDOG_SECONDS = 10.0  # below this, a slow but healthy generate would end the run
 WATCHDOG_ACCEPTED_VALUES = (
     f"on/true/yes/1 (the default limit, {DEFAULT_WATCHDOG_SECONDS:g} s), off/false/no/0 (no watchdog), "
@@ -66,7 +72,8 @@ WATCHDOG_ACCEPTED_VALUES = (
 
 
 def watchdog_seconds() -> float:
-    """TRL_VLM_FIXES_WATCHDOG as seconds a vLLM generate may run, 0 when off; anything else raises."""
+    """TRL_VLM_FIXES_WATCHDOG as seconds (a colocated rollout without engine progress; the floor of every other
+    watched phase's limit), 0 when off; anything else raises."""
     raw = os.environ.get(WATCHDOG_SWITCH)
     value = (raw or "").strip().lower()
     if not value or value in _TRUE:

@@ -2,7 +2,9 @@
 
 By default rank 0's completions call the tool twice per rollout (3 generates), rank 1's never (1 generate). The
 colocated engine is the behavioural stand-in (colocate + sleep mode). Each rank writes rank{N}.json: how many rollouts
-ran on the trainer's current weights, and which collective operations the plugin itself issued.
+ran on the trainer's current weights, every collective operation it entered in order (with the plugin's frames on the
+stack, innermost first), and what its trainer logged. A parameter gather of ``sync_weights`` is listed as a collective
+too: it is one under ZeRO-3 (no-op here), so a push on one rank only shows as a difference between the ranks.
 
 usage: tool_loop_ranks.py MODEL_DIR OUTPUT_DIR [TURNS_RANK0,TURNS_RANK1]   (default 2,0; switches from the environment)
 """
@@ -18,31 +20,37 @@ from typing import Any
 import trl_vlm_fixes
 
 PLUGIN_DIR = os.path.dirname(trl_vlm_fixes.__file__)
-LIBRARY_PARTS = ("/torch/", "/accelerate/", "/wrapt/", "/contextlib.py", "/functools.py")
-plugin_collectives: list[str] = []
+HARNESS_DIR = os.path.join(PLUGIN_DIR, "selftest")  # the engine stand-in: not the plugin at work
+collectives: list[tuple[str, list[str]]] = []  # (operation, the plugin's frames on the stack, innermost first)
 
 
-def count_plugin_collectives() -> None:
-    """Wrap torch.distributed's collectives: record those whose first caller outside torch/accelerate is the plugin."""
+def plugin_frames() -> list[str]:
+    """The plugin's frames on the stack, wherever the collective itself is issued (TRL, accelerate, torch)."""
+    return [
+        f"{os.path.relpath(frame.filename, PLUGIN_DIR)}:{frame.name}"
+        for frame in traceback.extract_stack()[-3::-1]
+        if frame.filename.startswith(PLUGIN_DIR) and not frame.filename.startswith(HARNESS_DIR)
+    ]
+
+
+def record_collectives() -> None:
+    """Wrap torch.distributed's collectives and TRL's parameter gather: record each call, in order, on this rank."""
     import torch.distributed as dist
+    from trl.distributed import DistributedBackend
 
-    def watch(name: str) -> None:
-        original = getattr(dist, name)
+    def watch(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
 
         def watched(*args: Any, **kwargs: Any) -> Any:
-            for frame in traceback.extract_stack()[-2::-1]:
-                if any(part in frame.filename for part in LIBRARY_PARTS):
-                    continue
-                if frame.filename.startswith(PLUGIN_DIR):
-                    plugin_collectives.append(f"{name} from {frame.filename}:{frame.lineno}")
-                break
+            collectives.append((label, plugin_frames()))
             return original(*args, **kwargs)
 
-        setattr(dist, name, watched)
+        setattr(owner, name, watched)
 
     for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "gather", "barrier",
                  "all_gather_object", "broadcast_object_list", "reduce_scatter", "all_to_all"):
-        watch(name)
+        watch(dist, name, name)
+    watch(DistributedBackend, "gather_params", "gather_params (a collective under ZeRO-3)")
 
 
 def echo(text: str) -> str:
@@ -58,7 +66,7 @@ def main() -> int:
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
     tool_turns = int((sys.argv[3] if len(sys.argv) > 3 else "2,0").split(",")[rank])
-    count_plugin_collectives()
+    record_collectives()
     from datasets import Dataset
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
@@ -136,7 +144,8 @@ def main() -> int:
         "on_current_weights": sum(rollouts),
         "disk_reloads": engine.disk_reloads,
         "full_pushes": engine.tensor_pushes / sum(1 for _ in trainer.model.parameters()),
-        "plugin_collectives": plugin_collectives,
+        "collectives": collectives,
+        "logs": [{k: v for k, v in log.items() if k.startswith("trl_vlm_fixes/")} for log in trainer.state.log_history],
         "tool_turns": turns_seen,
     })
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:

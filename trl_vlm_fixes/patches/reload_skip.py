@@ -9,7 +9,16 @@ alone is not enough, since level-2 sleep discards the weights after every genera
 - keeps the engine awake between the turns of one rollout (the trainer's ``_generate``: a multi-turn tool loop or a
   ``rollout_func`` calls ``generate`` once per turn, a number each rank decides alone): TRL's level-2 sleep is deferred
   to the end of the rollout, so later turns need neither a push nor a reload;
-- re-pushes the trained weights through TRL's own ``sync_weights`` before a generate whose engine lost them.
+- re-pushes the trained weights through TRL's own ``sync_weights`` before a generate whose engine lost them;
+- after a push into an engine that generated since its caches were last cleared (only inside a rollout, where the
+  sleep is deferred), resets vLLM's encoder cache: it keeps vision embeddings by image hash across requests, and
+  only a sleep of level >= 1 or ``reload_weights`` clears it (vLLM 0.25.1 ``EngineCore._reset_caches``,
+  ``GPUModelRunner.reload_weights``), so a repeated image would reuse embeddings of the old vision tower. TRL's
+  ``sync_weights`` resets the prefix cache itself; the multimodal processor cache holds preprocessed inputs, which
+  do not depend on the weights.
+
+``TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP=1`` makes the engine sleep at level 1 between the turns instead (weights to
+CPU memory, KV cache freed: a tool that needs the GPU gets it back; the weights come back on waking, without a push).
 
 No collective operation is added. Every push decision is taken from events every rank sees alike (the engine's
 weights were discarded by a level-2 sleep), except the ``parameters_fingerprint`` check, which is used only where a
@@ -28,8 +37,10 @@ from typing import Any
 import wrapt
 
 from .. import metrics
+from ..log_once import warn_once
 from ..registry import Fix, Target, on_trainers
 from ..source_shape import calls_method, function_tree
+from ..switches import RELOAD_SKIP_TOOL_SLEEP_SWITCH, read_bool
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
 
@@ -46,6 +57,9 @@ class EngineWeights:
     reloads_skipped: int = 0
     rollout_depth: int = 0  # > 0 while the trainer's _generate runs: sleeps between turns are deferred
     deferred_sleep: int | None = None  # the sleep level TRL asked for inside the rollout, done when it ends
+    tool_sleep: bool = False  # this rollout sleeps at level 1 between turns (TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP)
+    turn_slept: bool = False  # ... and the engine did so after a turn: it wakes for real, and ends the rollout asleep
+    caches_warm: bool = False  # a generate ran since vLLM last cleared its caches (a sleep of level >= 1)
 
 
 _engines: weakref.WeakKeyDictionary[Any, EngineWeights] = weakref.WeakKeyDictionary()
@@ -113,16 +127,21 @@ class _EngineWithoutDiskReload(wrapt.ObjectProxy):  # type: ignore[misc]
     def sleep(self, *args: Any, **kwargs: Any) -> Any:
         level = args[0] if args else kwargs.get("level", 1)
         state = self._self_state
-        if state.rollout_depth > 0:  # more turns of this rollout may follow: stay awake, keep the weights
+        if state.rollout_depth > 0:  # more turns of this rollout may follow: keep the weights
             state.deferred_sleep = max(level, state.deferred_sleep or 0)
+            if state.tool_sleep:  # weights to CPU memory, KV cache freed; they come back on waking, no push
+                self.__wrapped__.sleep(level=1)
+                state.turn_slept, state.caches_warm = True, False
             return None
         result = self.__wrapped__.sleep(*args, **kwargs)
+        state.caches_warm = state.caches_warm and level < 1
         if level >= 2:
             state.discarded = True
         return result
 
     def wake_up(self, *args: Any, **kwargs: Any) -> Any:
-        if self._self_state.deferred_sleep is not None:  # its sleep was deferred: it is awake already
+        state = self._self_state
+        if state.deferred_sleep is not None and not state.turn_slept:  # its sleep was deferred: it is awake already
             return None
         return self.__wrapped__.wake_up(*args, **kwargs)
 
@@ -149,15 +168,27 @@ def rollout_scope(generation: Any) -> Iterator[None]:
         yield
         return
     state = engine_weights(generation)
+    if state.rollout_depth == 0:
+        state.tool_sleep = read_bool(RELOAD_SKIP_TOOL_SLEEP_SWITCH, False)
     state.rollout_depth += 1
     try:
         yield
     finally:
         state.rollout_depth -= 1
-        if state.rollout_depth == 0 and state.deferred_sleep is not None:
-            level, state.deferred_sleep = state.deferred_sleep, None
-            state.discarded = state.discarded or level >= 2
-            generation.llm.sleep(level=level)
+        if state.rollout_depth == 0:
+            _close_rollout(generation, state)
+
+
+def _close_rollout(generation: Any, state: EngineWeights) -> None:
+    """TRL's deferred sleep, done once; after a level-1 turn sleep the engine is asleep already and keeps its
+    weights in CPU memory (vLLM's executor ignores a sleep while asleep: ``Executor.sleep``, "already sleeping")."""
+    level, state.deferred_sleep = state.deferred_sleep, None
+    slept, state.turn_slept = state.turn_slept, False
+    if level is None or slept:
+        return
+    state.discarded = state.discarded or level >= 2
+    state.caches_warm = state.caches_warm and level < 1
+    generation.llm.sleep(level=level)
 
 
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -177,6 +208,7 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         instance.sync_weights()
         state.repushes += 1
         metrics.count(instance, metrics.WEIGHT_REPUSHES, 1)
+    state.caches_warm = True
     try:
         with _engine_without_disk_reload(instance, state):
             return wrapped(*args, **kwargs)
@@ -193,7 +225,24 @@ def sync_weights_wrapper(
         state = engine_weights(instance)
         state.discarded = False
         state.pushed_fingerprint = parameters_fingerprint(instance.model)
+        if state.caches_warm:
+            _reset_encoder_cache(instance.llm)
+            state.caches_warm = False
     return result
+
+
+def _reset_encoder_cache(engine: Any) -> None:
+    """Drop the vision embeddings computed with the weights before this push (``LLMEngine.reset_encoder_cache``:
+    ``vllm.LLM`` 0.25.1 has no method of its own for it; ``LLM.reset_mm_cache`` leaves the encoder cache alone)."""
+    reset = getattr(getattr(engine, "llm_engine", None), "reset_encoder_cache", None)
+    if reset is None:
+        warn_once(
+            "reload_skip encoder cache",
+            "trl_vlm_fixes.reload_skip: this vLLM engine has no llm_engine.reset_encoder_cache(); after a push "
+            "between the turns of a rollout a repeated image may reuse embeddings of the previous weights.",
+        )
+        return
+    reset()
 
 
 def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

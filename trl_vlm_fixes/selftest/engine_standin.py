@@ -2,7 +2,8 @@
 
 It models what the reload_skip fix is about, as measured on an H200 with vLLM 0.25.1: level-2 sleep discards the
 weights (they read as zeros after waking), ``collective_rpc("reload_weights")`` restores the checkpoint from disk,
-``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. A prompt with
+``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. Its caches follow vLLM
+0.25.1 (``_EngineCaches``): what each one keeps across requests, and what resets it. A prompt with
 ``multi_modal_data`` goes through vLLM's own multimodal processor (``vllm_processor``), so the prompt ids it reports
 and samples from are the ones the real engine would use. Its public methods keep
 the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so it cannot drift.
@@ -10,6 +11,7 @@ the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Iterable
@@ -48,6 +50,64 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
+BLOCK_SIZE = 16  # vLLM's default KV block: only full blocks enter the prefix cache
+
+
+class _EngineCaches:
+    """vLLM 0.25.1's caches that outlive a request, each entry tagged with the weights version it was computed on.
+
+    - encoder cache: vision embeddings by image hash, shared between requests (``EncoderCacheManager``): weight-
+      dependent;
+    - multimodal cache: the processor's outputs by image hash (renderer and engine-core caches): weight-independent;
+    - prefix cache: KV blocks by token prefix and the images in it (``BlockPool``): weight-dependent.
+
+    Resets, as in vLLM: a sleep of level >= 1 clears all three (``EngineCore.sleep`` -> ``pause_scheduler(
+    clear_cache=True)`` -> ``_reset_caches``; ``LLMEngine.sleep`` clears the renderer's); ``reload_weights`` the
+    encoder and multimodal caches (``GPUModelRunner.reload_weights``); ``LLM.reset_prefix_cache``,
+    ``LLM.reset_mm_cache`` and ``LLMEngine.reset_encoder_cache`` one each.
+    """
+
+    def __init__(self) -> None:
+        self.encoder: dict[str, int] = {}
+        self.multimodal: set[str] = set()
+        self.prefix: dict[tuple[Any, ...], int] = {}
+        self.stale_reads: list[str] = []  # every reuse of an entry computed on other weights than the current ones
+
+    def clear(self) -> None:
+        self.encoder.clear()
+        self.multimodal.clear()
+        self.prefix.clear()
+
+    def read(self, ids: list[int], images: list[Any], version: int) -> None:
+        """One request: reuse what is cached (noting stale entries), then cache what it computed."""
+        hashes = [_image_hash(image) for image in images]
+        for digest in hashes:
+            self.multimodal.add(digest)
+            cached = self.encoder.setdefault(digest, version)
+            if cached != version:
+                self.stale_reads.append(f"encoder output of image {digest[:8]} from weights v{cached}, now v{version}")
+        for end in range(BLOCK_SIZE, len(ids) + 1, BLOCK_SIZE):
+            cached = self.prefix.setdefault((*hashes, *ids[:end]), version)
+            if cached != version:
+                self.stale_reads.append(f"prefix KV of {end} tokens from weights v{cached}, now v{version}")
+
+
+def _image_hash(image: Any) -> str:
+    """vLLM hashes an image's content (``MultiModalHasher``); this hashes its pixels, size and mode."""
+    tobytes = getattr(image, "tobytes", None)
+    content = tobytes() if tobytes is not None else repr(image).encode()
+    shape = repr((getattr(image, "size", None), getattr(image, "mode", None))).encode()
+    return hashlib.sha256(content + shape).hexdigest()
+
+
+def _prompt_images(prompt: Any) -> list[Any]:
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    images = (data or {}).get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, list | tuple) else [images]
+
+
 class _WeightLoader:
     """``llm_engine.model_executor.driver_worker.model_runner.model``: where TRL pushes tensors."""
 
@@ -60,9 +120,36 @@ class _WeightLoader:
             if not self._engine.weights_awake:
                 raise RuntimeError(f"load_weights({name}) while the weights are asleep: wake_up first")
             self._engine.weights[name] = tensor.detach().to("cpu", copy=True)
+            self._engine.weights_version += 1
             self._engine.tensor_pushes += 1
             loaded.add(name)
         return loaded
+
+
+class _EngineLoop(SimpleNamespace):
+    """``llm.llm_engine``, with the step loop of vLLM 0.25.1's ``LLM._run_engine``: ``step()`` is one scheduler
+    iteration (one more token for every running request) and returns the requests that finished in it, so whoever
+    watches ``step`` sees a rollout's progress as with the real engine."""
+
+    steps = 0
+    _running: list[tuple[RequestOutput, int]] = []  # request, tokens it still has to produce
+
+    def admit(self, requests: list[RequestOutput]) -> None:
+        longest = (max((len(c.token_ids) for c in r.outputs), default=0) for r in requests)
+        self._running = [*self._running, *((r, max(1, n)) for r, n in zip(requests, longest, strict=True))]
+
+    def reset_encoder_cache(self) -> None:
+        """``LLMEngine.reset_encoder_cache``: the one public reset of the encoder cache in vLLM 0.25.1."""
+        self.caches.encoder.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        advanced = [(request, left - 1) for request, left in self._running]
+        self._running = [(request, left) for request, left in advanced if left > 0]
+        return [request for request, left in advanced if left <= 0]
 
 
 class StandInLLM:
@@ -93,19 +180,25 @@ class StandInLLM:
         # "vllm" once a multimodal prompt went through vLLM's real processor, else why it could not
         self.mm_processing: str | None = None
         self.prompts_seen: list[list[int]] = []  # the prompt ids each request was sampled from, as vLLM reports them
-        self.llm_engine = SimpleNamespace(
+        self.weights_version = 0  # changes with every change of the weights: what each cache entry is tagged with
+        self.caches = _EngineCaches()
+        self.llm_engine = _EngineLoop(
             model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 4096),  # read by TRL's tool loop
             model_executor=SimpleNamespace(
                 driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=_WeightLoader(self)))
-            )
+            ),
         )
+        self.llm_engine.caches = self.caches
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         if not self.init_kwargs["enable_sleep_mode"]:
             raise RuntimeError("sleep() needs enable_sleep_mode=True")
         self.sleeps.append(level)
+        if level >= 1:  # vLLM clears its caches on any sleep that frees memory
+            self.caches.clear()
         if level >= 2:  # level 2 frees the weights: what is read after waking up is garbage (zeros on an H200)
             self.weights = {name: torch.zeros_like(tensor) for name, tensor in self.weights.items()}
+            self.weights_version += 1
         self.weights_awake = False
         self.kv_cache_awake = False
 
@@ -119,12 +212,19 @@ class StandInLLM:
     ) -> list[Any]:
         if method == "reload_weights":
             self.weights = {name: tensor.clone() for name, tensor in read_checkpoint(self.init_kwargs["model"]).items()}
+            self.weights_version += 1
+            self.caches.encoder.clear()
+            self.caches.multimodal.clear()
             self.disk_reloads += 1
             return [None]
         raise NotImplementedError(f"stand-in engine has no worker method {method!r}")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.caches.prefix.clear()
         return True
+
+    def reset_mm_cache(self) -> None:
+        self.caches.multimodal.clear()
 
     def generate(
         self,
@@ -149,6 +249,7 @@ class StandInLLM:
         for row, prompt in enumerate(prompts if isinstance(prompts, list) else [prompts]):
             ids = self.engine_prompt_ids(prompt)
             self.prompts_seen.append(ids)
+            self.caches.read(ids, _prompt_images(prompt), self.weights_version)
             completions = []
             for k in range(n):
                 # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
@@ -159,7 +260,11 @@ class StandInLLM:
                 logprobs = [{t: Logprob(self.sampling_logprob)} for t in tokens] if want_logprobs else None
                 completions.append(CompletionOutput(tokens, logprobs))
             outputs.append(RequestOutput(ids, completions))
-        return outputs
+        self.llm_engine.admit(outputs)  # as LLM._run_engine: step until every request has finished
+        finished: set[int] = set()
+        while self.llm_engine.has_unfinished_requests():
+            finished.update(id(request) for request in self.llm_engine.step())
+        return [request for request in outputs if id(request) in finished]
 
     def engine_prompt_ids(self, prompt: Any) -> list[int]:
         """The ids the engine samples from: a multimodal prompt is processed by vLLM's own processor, as in vLLM."""
@@ -182,16 +287,20 @@ class StandInLLM:
         return processed
 
     def banned_token_ids(self, sampling_params: Any) -> set[int]:
-        """vLLM's bad_words semantics for single tokens: a word that encodes to one token is never sampled."""
+        """Never sampled, as in vLLM: a ``logit_bias`` of -inf (added to the logits), and a ``bad_words`` word that
+        encodes to one token."""
+        biased = {
+            int(t) for t, bias in (getattr(sampling_params, "logit_bias", None) or {}).items() if bias == -math.inf
+        }
         words = getattr(sampling_params, "bad_words", None) or []
         if not words:
-            return set()
+            return biased
         if self._tokenizer is None:  # loaded once per engine, as vLLM does, not once per generate
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.init_kwargs["model"])
         encoded = [self._tokenizer.encode(word, add_special_tokens=False) for word in words]
-        return {ids[0] for ids in encoded if len(ids) == 1}
+        return biased | {ids[0] for ids in encoded if len(ids) == 1}
 
 
 def engine_weights_match(snapshot: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:

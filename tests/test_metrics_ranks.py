@@ -1,0 +1,38 @@
+"""Counters are rank-local but only rank 0 reports: the log carries the sum over ranks (2 real processes, gloo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from helpers import environment_without_switches
+
+from conftest import free_port
+from trl_vlm_fixes import metrics
+
+
+def run_metrics_ranks(tmp_path: Path) -> list[Any]:
+    program = Path(__file__).parent / "programs" / "metrics_ranks.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    result = subprocess.run(
+        [*command, str(program), str(tmp_path)],
+        env=environment_without_switches(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_each_log_reports_the_sum_over_ranks(tmp_path: Path) -> None:
+    """Rank 0 counted 3 realigned rows and 1 re-push, rank 1 5 rows and 2 masked rows, then only rank 1 counted
+    (a 0 and 4 re-pushes): rank 0's logs show the sums, a counter only the other rank counted included."""
+    rank0, rank1 = run_metrics_ranks(tmp_path)
+    first = {metrics.REALIGNED_ROWS: [8.0], metrics.WEIGHT_REPUSHES: [1.0], metrics.VISION_TOKEN_ROWS_MASKED: [2.0]}
+    second = {metrics.PROMPT_MISMATCH_ROWS: [0.0], metrics.WEIGHT_REPUSHES: [4.0]}
+    assert rank0 == [first, second]
+    assert rank1 == rank0  # every rank holds the same sums (all-reduce), whichever one reports
