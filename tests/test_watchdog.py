@@ -134,14 +134,15 @@ def test_a_disarmed_watchdog_never_fires() -> None:
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("", 1800), ("on", 1800), ("TRUE", 1800), ("yes", 1800), ("1", 1800), ("off", 0), ("False", 0), ("no", 0),
+    [("", 600), ("on", 600), ("TRUE", 600), ("yes", 600), ("1", 600), ("off", 0), ("False", 0), ("no", 0),
      ("0", 0), ("10", 10), ("45.5", 45.5), (" 600 ", 600)],
 )
 def test_watchdog_switch_values(value: str, seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
     from trl_vlm_fixes.switches import DEFAULT_WATCHDOG_SECONDS, watchdog_seconds
 
     monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", value)
-    assert watchdog_seconds() == (DEFAULT_WATCHDOG_SECONDS if seconds == 1800 else seconds)
+    assert DEFAULT_WATCHDOG_SECONDS == 600  # 10 minutes without an engine step
+    assert watchdog_seconds() == seconds
 
 
 @pytest.mark.parametrize("value", ["5", "-3", "abc", "9.99", "0.0", "inf", "nan", "1800s"])
@@ -163,7 +164,26 @@ def test_bad_watchdog_value_fails_the_import(value: str) -> None:
     assert "off/false/no/0 (no watchdog)" in result.stderr
 
 
+def colocated(steps: int) -> Any:
+    """A VLLMGeneration in colocate mode whose engine runs ``steps`` engine steps per generate (as vLLM's loop)."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.selftest.engine_standin import RequestOutput, _EngineLoop
+
+    engine = _EngineLoop()
+
+    def generate() -> int:
+        engine.admit([RequestOutput([1], [SimpleNamespace(token_ids=[2] * steps)])])  # type: ignore[list-item]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine.steps
+
+    return SimpleNamespace(mode="colocate", llm=SimpleNamespace(llm_engine=engine, generate=generate))
+
+
 def test_the_limit_is_read_at_apply_not_at_each_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
     from trl_vlm_fixes.patches import watchdog
 
     monkeypatch.setattr(watchdog, "_limit", watchdog._limit)  # put back afterwards
@@ -173,8 +193,128 @@ def test_the_limit_is_read_at_apply_not_at_each_generate(monkeypatch: pytest.Mon
     armed: list[float] = []
     monkeypatch.setattr(watchdog.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
     monkeypatch.setattr(watchdog.WATCHDOG, "disarm", lambda token: None)
-    assert watchdog.generate_wrapper(lambda: "rollout", None, (), {}) == "rollout"
-    assert armed == [30]
+    monkeypatch.setattr(watchdog.WATCHDOG, "progress", lambda token: None)
+    generation = colocated(3)
+    assert watchdog.generate_wrapper(lambda: generation.llm.generate(), generation, (), {}) == 3
+    server = SimpleNamespace(mode="server", llm=None)
+    assert watchdog.generate_wrapper(lambda: "rollout", server, (), {}) == "rollout"
+    assert armed == [30, 3 * 30]  # colocate: the progress limit; server: a total, 3x it until one has completed
+
+
+def test_every_engine_step_restarts_the_clock_and_the_hook_goes_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colocate: one progress() per engine step that returned; after the generate (or its error) vLLM's step is back."""
+    from trl_vlm_fixes.patches import watchdog
+
+    monkeypatch.setattr(watchdog, "_limit", 30.0)
+    progressed: list[int] = []
+    monkeypatch.setattr(watchdog.WATCHDOG, "progress", progressed.append)
+    generation = colocated(5)
+    assert watchdog.generate_wrapper(lambda: generation.llm.generate(), generation, (), {}) == 5
+    assert len(progressed) == 5 and len(set(progressed)) == 1  # one watch, re-armed per step
+    assert "step" not in vars(generation.llm.llm_engine)
+
+    def fails() -> None:
+        generation.llm.llm_engine.step()
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError):
+        watchdog.generate_wrapper(fails, generation, (), {})
+    assert "step" not in vars(generation.llm.llm_engine) and len(progressed) == 6
+    assert not watchdog.WATCHDOG._armed
+
+
+def test_an_inner_watch_stops_the_outer_clock_and_progress_restarts_it() -> None:
+    import math
+
+    from trl_vlm_fixes.patches.watchdog.timer import Watchdog
+
+    dog = Watchdog()
+    never: Any = lambda: pytest.fail("fired")  # noqa: E731
+    outer = dog.arm(30, never)
+    first = dog._armed[outer].deadline
+    time.sleep(0.05)
+    dog.progress(outer)
+    assert dog._armed[outer].deadline > first  # a step returned: the full limit again
+    inner = dog.arm(1000, never)  # a weight push inside the generate: its own, longer limit
+    assert dog._armed[outer].deadline == math.inf
+    dog.progress(outer)  # no effect while the inner call is watched
+    assert dog._armed[outer].deadline == math.inf
+    dog.disarm(inner)
+    assert 29 < dog._armed[outer].deadline - time.monotonic() <= 30
+    dog.disarm(outer)
+    assert dog._armed == {} and dog._stacks == {}
+
+
+def test_a_phase_limit_is_learned_from_its_completed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trl_vlm_fixes.patches.watchdog import phases
+
+    armed: list[float] = []
+    monkeypatch.setattr(phases.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
+    monkeypatch.setattr(phases.WATCHDOG, "disarm", lambda token: None)
+    phase = phases.Phase("a test phase", "a test")
+    clock = iter([100.0, 160.0, 200.0, 201.0, 300.0, 301.0, 400.0])  # a call of 60 s, then two of 1 s
+    monkeypatch.setattr(phases.time, "monotonic", lambda: next(clock))
+    for _ in range(3):
+        phases.run_watched(phase, 20.0, None, lambda: None)
+    assert armed == [20.0, 600.0, 600.0]  # the floor until one completed, then 10 x the slowest completed call
+    with pytest.raises(ValueError):  # a call that raised teaches nothing
+        phases.run_watched(phase, 20.0, None, lambda: int("x"))
+    assert phase.slowest == 60.0
+
+
+def run_phase_program(tiny_model_dir: Path, tmp_path: Path, env: dict[str, str], timeout: float) -> Any:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(PROGRAMS / "hang_phase.py"), str(tiny_model_dir), str(tmp_path)],
+        env={**environment_without_switches(), "TRL_VLM_FIXES_WATCHDOG": "10", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return result, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_a_rollout_that_keeps_making_progress_is_never_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """40 engine steps of 1 s: one generate of more than 3x the 10 s limit, each step well within it."""
+    env = {"PHASE": "steady", "STEP_SECONDS": "1", "TOKENS": "40"}
+    result, _ = run_phase_program(tiny_model_dir, tmp_path, env, 300)
+    assert result.returncode == 0 and "trained 1" in result.stdout, result.stderr[-3000:]
+    seconds = float(result.stdout.split(" in ")[1].split(" s")[0])
+    assert seconds > 3 * 10 and "40 engine steps" in result.stdout, result.stdout
+    assert not list(tmp_path.glob("trl_vlm_fixes_hang_rank*.txt"))
+
+
+@pytest.mark.slow
+def test_a_rollout_that_stops_making_progress_ends_with_75(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """6 steps of 2 s (longer than the limit in all), then a step that never returns: exit 75 one limit later."""
+    limit = 10
+    env = {"PHASE": "stalls", "STEP_SECONDS": "2", "STEADY_STEPS": "6", "TOKENS": "40"}
+    result, _ = run_phase_program(tiny_model_dir, tmp_path, env, 240)
+    exited = time.time()
+    assert result.returncode == 75, result.stderr[-3000:]
+    hang_to_exit = exited - float((tmp_path / "hang_started").read_text())
+    assert limit <= hang_to_exit <= limit + 15, hang_to_exit
+    report = (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
+    assert "the wait for the next vLLM engine step ran longer than 10 s" in report and "at step 0" in report
+    print(f"a stalled rollout: exit 75 {hang_to_exit:.1f} s after its last engine step (limit {limit} s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "named"),
+    [("sync_weights", "VLLMGeneration.sync_weights"), ("optimizer_step", "the optimizer step")],
+)
+def test_a_hang_in_another_phase_ends_with_75(phase: str, named: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    limit = 10
+    result, _ = run_phase_program(tiny_model_dir, tmp_path, {"PHASE": phase}, 240)
+    exited = time.time()
+    assert result.returncode == 75, result.stderr[-3000:]
+    hang_to_exit = exited - float((tmp_path / "hang_started").read_text())
+    assert limit - 2 <= hang_to_exit <= limit + 15, hang_to_exit  # the phase began a little before its hang
+    report = (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
+    assert named in report and "ran longer than 10 s" in report and "at step 0" in report, report[:2000]
+    print(f"{phase}: exit 75 {hang_to_exit:.1f} s after the hang started (limit {limit} s)")
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what restart logic should see
 WRITE_BUDGET_SECONDS = 3.0  # stderr and the report file, written side by side
 LOG_BUDGET_SECONDS = 1.0
 _saved_stderr: int | None = None
+# more lines for the report, each from another module (resume.py: this hang repeats the one the run restarted after)
+NOTES: list[Callable[[HangContext], str | None]] = []
 
 
 @dataclass
@@ -143,6 +145,14 @@ def _stacks_with_qualified_names() -> str:
     return "\n".join(lines)
 
 
+def _notes(context: HangContext) -> list[str]:
+    lines = []
+    for note in NOTES:
+        with contextlib.suppress(Exception):  # a note must never keep a hung process alive
+            lines.append(note(context) or "")
+    return [line for line in lines if line]
+
+
 def hang_report(seconds: float, context: HangContext) -> str:
     return "\n".join(
         [
@@ -150,6 +160,7 @@ def hang_report(seconds: float, context: HangContext) -> str:
             f"(TRL_VLM_FIXES_WATCHDOG) on rank {context.rank} at step {context.step}.",
             f"engine: {context.engine_settings}",
             f"likely cause: {context.likely_cause}",
+            *_notes(context),
             f"resume: restart the job with resume_from_checkpoint (the process exits with {EXIT_CODE}, EX_TEMPFAIL).",
             "",
             "Python stacks (qualified names):",
