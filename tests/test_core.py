@@ -58,9 +58,9 @@ print(json.dumps({{
 def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
     report = last_json(run_python(before + "\n" + PROBE, with_vllm=before.startswith("import trl.")))
     assert report == {
-        "grpo": 1,
-        "rloo": 1,
-        "generate": int(upstream_reloads_from_disk()) + 1,  # reload_skip (where needed) and the watchdog
+        "grpo": 2,  # mm_realign and the watchdog's scoring phase
+        "rloo": 2,
+        "generate": int(upstream_reloads_from_disk()) + 2,  # reload_skip (where needed), prompt_parity, the watchdog
         "init_vllm": 2,  # cudagraph and gdn_prefill
         "states": expected_states(),
     }
@@ -92,8 +92,8 @@ def test_double_import_and_apply_wrap_nothing_twice() -> None:
             "importlib.reload(trl_vlm_fixes)\n" + PROBE
         )
     )
-    assert (report["grpo"], report["rloo"], report["init_vllm"]) == (1, 1, 2)
-    assert report["generate"] == int(upstream_reloads_from_disk()) + 1
+    assert (report["grpo"], report["rloo"], report["init_vllm"]) == (2, 2, 2)  # mm_realign + watchdog; engine fixes
+    assert report["generate"] == int(upstream_reloads_from_disk()) + 2  # reload_skip, prompt_parity, watchdog
 
 
 def _patched_methods() -> dict[tuple[type, str], Any]:
@@ -383,8 +383,10 @@ def test_metric_counters_stay_bounded_and_exact() -> None:
     stored = metrics._counters[owner]
     assert set(stored) == {metrics.REALIGNED_ROWS, metrics.WEIGHT_REPUSHES}
     assert all(not isinstance(value, list) and getattr(value, "ndim", 0) == 0 for value in stored.values())
-    assert metrics.drain(owner) == {metrics.REALIGNED_ROWS: float(sum(s % 3 for s in range(10_000))),
-                                    metrics.WEIGHT_REPUSHES: 10_000.0}
+    assert metrics.drain(owner) == {
+        metrics.REALIGNED_ROWS: float(sum(s % 3 for s in range(10_000))),
+        metrics.WEIGHT_REPUSHES: 10_000.0,
+    }
     assert metrics.drain(owner) == {}
 
 
@@ -423,16 +425,16 @@ def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touch
     for thread in threads:
         thread.join(120)
     assert not errors, errors
-    assert len(engines) == 2 and all(e.init_kwargs["compilation_config"] == {"cudagraph_mode": "NONE"} for e in engines)
+    assert len(engines) == 2 and all(
+        e.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"} for e in engines
+    )
     assert globals_seen == [SlowEngine, SlowEngine]  # nobody swapped the module global, not even for a moment
     trl_vlm_fixes.revert()
     trl_vlm_fixes.apply()
     assert vllm_generation.__dict__.get("LLM") is SlowEngine
 
 
-def test_status_says_skipped_when_nothing_reached_the_engine_constructor(
-    tiny_model_dir: Any, processor: Any
-) -> None:
+def test_status_says_skipped_when_nothing_reached_the_engine_constructor(tiny_model_dir: Any, processor: Any) -> None:
     """An engine built without TRL's LLM(...) call (a drifted TRL): the fix must not keep saying `applied`."""
     import trl.generation.vllm_generation as vllm_generation
 
@@ -475,7 +477,6 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
         assert "no longer builds" in (_builds_engine(module.A.attribute) or "")  # we could not inject there
 
 
-
 # --- the engine-arguments mechanism and trainer start (engine_args.py, trainer_start.py) -------------------------
 
 
@@ -509,7 +510,7 @@ build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tin
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "builds the colocated vLLM engine" in line]
     assert len(lines) == 1
-    assert "cudagraph_mode=NONE (" in lines[0] and "3-4x slower" in lines[0]
+    assert "cudagraph_mode=PIECEWISE (" in lines[0] and "outside CUDA graphs" in lines[0]
     assert "gdn_prefill_backend=triton (" in lines[0]
 
 
@@ -535,9 +536,9 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
             namespace["llm_worker"](str(tiny_model_dir))
         llm_module.LLM(model=str(tiny_model_dir))  # a user's own engine, in the same process
     assert [kwargs.get("gdn_prefill_backend") for kwargs in received] == ["triton", "triton", None]
-    assert [kwargs.get("compilation_config") for kwargs in received] == [{"cudagraph_mode": "NONE"}] * 2 + [None]
+    assert [kwargs.get("compilation_config") for kwargs in received] == [{"cudagraph_mode": "PIECEWISE"}] * 2 + [None]
     lines = [r.getMessage() for r in caplog.records if "builds the" in r.getMessage()]
-    server_line = "trl_vlm_fixes: trl vllm-serve builds the vLLM engine with cudagraph_mode=NONE"
+    server_line = "trl_vlm_fixes: trl vllm-serve builds the vLLM engine with cudagraph_mode=PIECEWISE"
     assert len(lines) == 2 and all(line.startswith(server_line) for line in lines)
 
 
@@ -552,4 +553,4 @@ def test_trainer_start_shows_every_final_state_once(make_trainer: Any, caplog: A
     assert len(lines) == 1 and "pending" not in lines[0]
     for name in trl_vlm_fixes.status()["patches"]:
         assert f"{name}=" in lines[0]
-    assert "watchdog=applied (1800 s)" in lines[0]
+    assert "watchdog=applied (600 s)" in lines[0]
