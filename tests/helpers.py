@@ -68,6 +68,30 @@ def server_builds_engine_in_llm_worker() -> bool:
     return hasattr(vllm_serve, "llm_worker")
 
 
+# --- TRL's server client, stood in -------------------------------------------------------------------------
+
+
+class ServerClientStub:
+    """TRL's ``VLLMClient`` without a server: the weight pushes and cache resets TRL makes are accepted; a test
+    subclass writes ``generate`` (what `trl vllm-serve` answers)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def init_communicator(self, device: Any = 0) -> None:
+        pass
+
+    def update_named_param(self, name: str, weights: Any) -> None:
+        pass
+
+    def update_named_params(self, metadata: Any, params: Any) -> None:  # TRL >= 1.16 pushes in one call
+        for _ in params:
+            pass
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
 # --- fresh interpreters ----------------------------------------------------------------------------------------
 
 PRELUDE = """

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import module_from_source
+from helpers import ServerClientStub, module_from_source
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.patches import prompt_parity
@@ -225,20 +225,8 @@ def test_server_request_carries_one_pad_per_image(
     engine = StandInLLM(str(tiny_model_dir))
     requests: list[dict[str, Any]] = []
 
-    class Server:
+    class Server(ServerClientStub):
         """`trl vllm-serve`'s /generate/ on the stand-in: base64 images through JSON, rows built as vllm_serve does."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def init_communicator(self, device: Any = 0) -> None:
-            pass
-
-        def update_named_param(self, name: str, weights: Any) -> None:
-            pass
-
-        def reset_prefix_cache(self) -> None:
-            pass
 
         def generate(self, prompts: list[list[int]], images: Any = None, n: int = 1, **kwargs: Any) -> Any:
             def encode(image: Any) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import upstream_suppresses_image_token
+from helpers import ServerClientStub, upstream_suppresses_image_token
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.selftest.tiny_model import SPECIAL_TOKENS
@@ -219,24 +219,8 @@ def test_server_mode_request_carries_the_ban_as_json(loving_model_dir: Path, tmp
 
     requests: list[dict[str, Any]] = []
 
-    class FakeServer:
+    class FakeServer(ServerClientStub):
         """Stands in for `trl vllm-serve`: answers over 'JSON', samples the image pad unless the request bans it."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def init_communicator(self, device: Any = 0) -> None:
-            pass
-
-        def update_named_param(self, name: str, weights: Any) -> None:
-            pass
-
-        def update_named_params(self, metadata: Any, params: Any) -> None:  # TRL >= 1.16 pushes in one call
-            for _ in params:
-                pass
-
-        def reset_prefix_cache(self) -> None:
-            pass
 
         def generate(self, prompts: list[list[int]], n: int = 1, **kwargs: Any) -> dict[str, Any]:
             request = json.loads(json.dumps({"generation_kwargs": kwargs.get("generation_kwargs") or {}}))

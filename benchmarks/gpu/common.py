@@ -52,6 +52,16 @@ def force_triton_gdn_prefill() -> None:
     qwen_gdn_linear_attn._resolve_gdn_prefill_backend = lambda *args, **kwargs: ("triton", "triton")
 
 
+# Qwen3.5's real rope settings (the tiny test model's are scaled down): the GPU benchmarks' models use them
+QWEN35_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+
+
 def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: int = 0) -> Path:
     """A random Qwen3.5 VLM with the real 3:1 linear/full attention layout, head dims vLLM's kernels accept."""
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
@@ -69,13 +79,7 @@ def build_random_qwen35(directory: str | Path, hidden: int, layers: int, seed: i
         "linear_value_head_dim": 128,
         "linear_num_key_heads": heads,
         "linear_num_value_heads": heads * 2,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
+        "rope_parameters": QWEN35_ROPE,
     }
     vision = {"hidden_size": 128, "intermediate_size": 256, "out_hidden_size": hidden}
     return build_tiny_qwen35_vlm(directory, seed, text=text, vision=vision, dtype="bfloat16")

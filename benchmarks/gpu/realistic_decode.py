@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import error_lines, print_result, run_in_fresh_process
+from common import QWEN35_ROPE, error_lines, print_result, run_in_fresh_process
 
 PLACEHOLDERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|endoftext|>")
 SHAPE_9B: dict[str, Any] = {
@@ -44,13 +44,7 @@ SHAPE_9B: dict[str, Any] = {
     "linear_num_value_heads": 32,
     "vocab_size": 248320,
     "max_position_embeddings": 4096,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": QWEN35_ROPE,
 }
 
 
