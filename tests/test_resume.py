@@ -47,8 +47,20 @@ def run_ranks(model_dir: Path, base: Path, env: dict[str, str]) -> tuple[Any, Pa
     ``--standalone`` (c10d rendezvous): each restart round gets fresh rendezvous keys, so a restarted gloo group never
     reads the dead round's addresses."""
     out, records = base / "out", base / "records"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", str(PROGRAM), str(model_dir), str(out), str(records)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(PROGRAM),
+        str(model_dir),
+        str(out),
+        str(records),
+    ]
     started = time.monotonic()
     result = run_program(command, {"MAX_STEPS": "4", "WEDGE_RANK": "1", "WEDGE_STEP": "3", **env}, timeout=300)
     print(f"torchrun, 2 ranks, one hang and one restart: {time.monotonic() - started:.0f} s")
@@ -143,11 +155,13 @@ def test_resume_from_checkpoint_in_the_arguments_and_the_first_rollout_after_it(
         def generate(self, *args: Any, **kwargs: Any) -> Any:
             out = super().generate(*args, **kwargs)
             trainer = holder["trainer"]
-            rollouts.append({
-                "step": trainer.state.global_step,
-                "on_trainer": engine_weights_match(self.rollouts[-1], trainer_weights(trainer.model)),
-                "on_base": engine_weights_match(self.rollouts[-1], self.checkpoint),
-            })
+            rollouts.append(
+                {
+                    "step": trainer.state.global_step,
+                    "on_trainer": engine_weights_match(self.rollouts[-1], trainer_weights(trainer.model)),
+                    "on_base": engine_weights_match(self.rollouts[-1], self.checkpoint),
+                }
+            )
             return out
 
     monkeypatch.setattr(vllm_generation, "LLM", RecordingEngine, raising=False)
@@ -236,8 +250,13 @@ def run_cli_with_restarts(model_dir: Path, base: Path, env: dict[str, str]) -> t
     )
     trl = str(Path(sys.executable).parent / "trl")
     command = ["bash", "-c", RESTART_LOOP, "loop", *launcher(), "run", "--", trl, "grpo", "--config", str(config)]
-    environment = {"PYTHONPATH": str(site), "RESUME_RECORDS": str(records), "RESUME_OUT": str(out),
-                   "TRL_VLM_FIXES_WATCHDOG": LIMIT, **env}
+    environment = {
+        "PYTHONPATH": str(site),
+        "RESUME_RECORDS": str(records),
+        "RESUME_OUT": str(out),
+        "TRL_VLM_FIXES_WATCHDOG": LIMIT,
+        **env,
+    }
     started = time.monotonic()
     result = run(command, env=environment, cwd=base, timeout=500)
     print(f"trl grpo under the launcher, one hang and one restart: {time.monotonic() - started:.0f} s")
@@ -262,3 +281,16 @@ def test_trl_cli_restarted_by_a_shell_loop_resumes(tiny_model_dir: Path, tmp_pat
     assert fixed.returncode == 0 and fixed.stderr.count("restart\n") == 1, fixed.stderr[-3000:]
     assert "resuming from" in fixed.stderr and "checkpoint-3" in fixed.stderr
     assert resumed == [{"pid": resumed[0]["pid"], "on_base": False, "on_checkpoint_3": True}]  # step 3 only
+
+
+def test_resume_passes_over_a_checkpoint_cut_short(tmp_path: Path) -> None:
+    """A save ended by the process's end has no trainer_state.json (transformers writes it last): not resumed into."""
+    from trl_vlm_fixes.patches.watchdog.resume import last_complete_checkpoint
+
+    for step, complete in ((2, True), (3, True), (4, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    assert last_complete_checkpoint(str(tmp_path / "checkpoint-4")) is None

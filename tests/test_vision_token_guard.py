@@ -446,3 +446,30 @@ def test_server_engine_gets_the_placeholder_words_as_the_batched_ban(
         assert served.bad_words == ["hello"]
         assert served.logit_bias == {65: 1.0, **dict.fromkeys(placeholder_ids, float("-inf"))}
     assert received[2].bad_words == ["hello", *PLACEHOLDERS] and received[2].logit_bias == {65: 1.0}
+
+
+def test_server_engine_decoding_speculatively_keeps_the_words(tiny_model_dir: Path, monkeypatch: Any) -> None:
+    """vLLM 0.25.1 refuses any logit_bias with speculative decoding: such a server keeps the request's bad_words."""
+    import types
+
+    pytest.importorskip("vllm")
+    import trl.scripts.vllm_serve as vllm_serve
+    import vllm.entrypoints.llm as llm_module
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    layer = vars(llm_module.LLM)["generate"]
+    while type(layer.__wrapped__) is not types.FunctionType:
+        layer = layer.__wrapped__
+    received: list[Any] = []
+    monkeypatch.setattr(
+        layer, "__wrapped__", lambda self, prompts, sampling_params=None, **_: received.append(sampling_params)
+    )
+    engine = object.__new__(llm_module.LLM)
+    engine.get_tokenizer = lambda: AutoTokenizer.from_pretrained(tiny_model_dir)  # type: ignore[method-assign]
+    engine.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(speculative_config={"method": "mtp"}))
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    worker = "def llm_worker(llm, params):\n    return llm.generate(['x'], sampling_params=params)\n"
+    exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
+    namespace["llm_worker"](engine, SamplingParams(bad_words=list(PLACEHOLDERS), max_tokens=4))
+    assert received[0].bad_words == list(PLACEHOLDERS) and not received[0].logit_bias

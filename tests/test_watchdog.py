@@ -63,12 +63,31 @@ def test_a_normal_run_never_fires(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_a_hang_on_one_rank_ends_both_under_accelerate(tiny_model_dir: Path, tmp_path: Path) -> None:
     from conftest import free_port
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", free_port(), str(PROGRAMS / "hang_generate.py"), str(tiny_model_dir),
-               str(tmp_path)]
-    env = {**environment_without_switches(), "TRL_VLM_FIXES_WATCHDOG": "10", "HANG_RANK": "1",
-           "ACCELERATE_USE_CPU": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        free_port(),
+        str(PROGRAMS / "hang_generate.py"),
+        str(tiny_model_dir),
+        str(tmp_path),
+    ]
+    env = {
+        **environment_without_switches(),
+        "TRL_VLM_FIXES_WATCHDOG": "10",
+        "HANG_RANK": "1",
+        "ACCELERATE_USE_CPU": "1",
+    }
     started = time.monotonic()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode != 0, result.stderr[-3000:]
@@ -134,8 +153,20 @@ def test_a_disarmed_watchdog_never_fires() -> None:
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("", 600), ("on", 600), ("TRUE", 600), ("yes", 600), ("1", 600), ("off", 0), ("False", 0), ("no", 0),
-     ("0", 0), ("10", 10), ("45.5", 45.5), (" 600 ", 600)],
+    [
+        ("", 600),
+        ("on", 600),
+        ("TRUE", 600),
+        ("yes", 600),
+        ("1", 600),
+        ("off", 0),
+        ("False", 0),
+        ("no", 0),
+        ("0", 0),
+        ("10", 10),
+        ("45.5", 45.5),
+        (" 600 ", 600),
+    ],
 )
 def test_watchdog_switch_values(value: str, seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
     from trl_vlm_fixes.switches import DEFAULT_WATCHDOG_SECONDS, watchdog_seconds
@@ -356,3 +387,20 @@ def test_arm_and_disarm_leave_nothing_armed() -> None:
         dog.disarm(token)
     assert dog._armed == {} and not fired
     assert any(t.name == "trl_vlm_fixes-watchdog" for t in threading.enumerate())
+
+
+def test_the_first_watched_call_after_a_checkpoint_save_may_wait_for_rank_0() -> None:
+    """Under DDP only rank 0 writes a checkpoint and the others wait for it in their next watched call: that call gets
+    the save grace, once; the wrapper on transformers' _save_checkpoint (called by every rank) grants it."""
+    import transformers.trainer
+
+    from trl_vlm_fixes.patches.watchdog import phases
+
+    assert phases.with_save_grace(600.0, 600.0) == 600.0
+    phases.save_wrapper(lambda: None, None, (), {})
+    assert phases.with_save_grace(600.0, 600.0) == phases.SAVE_GRACE_FACTOR * 600.0 > 600.0
+    assert phases.with_save_grace(600.0, 600.0) == 600.0  # once
+    import trl_vlm_fixes
+
+    assert transformers.trainer.Trainer  # imported: the wrapper is in place
+    assert "Trainer._save_checkpoint wrapped" in trl_vlm_fixes.status()["patches"]["watchdog"]["detail"]

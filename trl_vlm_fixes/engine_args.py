@@ -174,9 +174,15 @@ def server_is_calling() -> bool:
     """Is TRL's server code on the stack? Its module is ``trl.scripts.vllm_serve`` under ``trl vllm-serve``,
     ``__main__`` under ``python -m`` and ``__mp_main__`` in spawned workers; its file is the same in all three."""
     server_file = _server_file()
+    if server_file is None:
+        return False
+    real_server_file = os.path.realpath(server_file)
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename == server_file:
+        filename = frame.f_code.co_filename
+        if filename == server_file or (
+            filename.endswith("vllm_serve.py") and os.path.realpath(filename) == real_server_file
+        ):
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False

@@ -138,13 +138,35 @@ def server_ban_wrapper(
     """``vllm.LLM.generate`` inside TRL's ``vllm-serve`` worker: the placeholder words of the request's ``bad_words``
     (banned by the trainer's guard: Python per request and step in vLLM) become the same batched -inf ``logit_bias``
     the colocated engine gets. Elsewhere, and for every other word, the request is left as it came."""
-    if not server_is_calling():
+    if not server_is_calling() or _speculative(instance):
         return wrapped(*args, **kwargs)
-    bound = bind(wrapped, args, kwargs)
-    params = bound.arguments.get("sampling_params")
-    for one in params if isinstance(params, list) else [params]:
-        _placeholder_words_as_logit_bias(one, instance)
+    try:
+        bound = bind(wrapped, args, kwargs)
+        params = bound.arguments.get("sampling_params")
+        for one in params if isinstance(params, list) else [params]:
+            _placeholder_words_as_logit_bias(one, instance)
+    except Exception as error:  # noqa: BLE001 - the request still carries its bad_words: never break it
+        warn_once(
+            ("vision_token_guard server ban", type(error).__name__),
+            "trl_vlm_fixes.vision_token_guard: the server keeps the request's bad_words ban (not turned into "
+            "logit_bias: %r).",
+            error,
+        )
+        return wrapped(*args, **kwargs)
     return wrapped(*bound.args, **bound.kwargs)
+
+
+def _speculative(engine: Any) -> bool:
+    """vLLM 0.25.1 refuses any logit_bias with speculative decoding (SamplingParams._validate_spec_decode)."""
+    config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    if getattr(config, "speculative_config", None) is None:
+        return False
+    warn_once(
+        ("vision_token_guard server ban", "speculative"),
+        "trl_vlm_fixes.vision_token_guard: the server decodes speculatively, where vLLM refuses logit_bias: the "
+        "request's bad_words ban stays as it came.",
+    )
+    return True
 
 
 def _placeholder_words_as_logit_bias(params: Any, engine: Any) -> None:

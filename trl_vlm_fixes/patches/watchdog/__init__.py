@@ -62,7 +62,7 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         phase = phases.SERVER_GENERATE if mode == "server" else phases.UNSTEPPED_GENERATE
         return phases.run_watched(phase, limit, instance, lambda: wrapped(*args, **kwargs))
     what = f"VLLMGeneration.generate ({mode} mode): the wait for the next vLLM engine step"
-    token = WATCHDOG.arm(limit, _context(instance, what))
+    token = WATCHDOG.arm(phases.with_save_grace(limit, limit), _context(instance, what))
     try:
         with progress.steps_report(engine, functools.partial(WATCHDOG.progress, token)):
             return wrapped(*args, **kwargs)
@@ -83,6 +83,7 @@ PHASE_TARGETS = (
     Target("accelerate.accelerator", "Accelerator.backward", _phase(phases.BACKWARD, phases.a_trainers_part)),
     Target("accelerate.accelerator", "Accelerator.clip_grad_norm_", _phase(phases.CLIPPING, phases.a_trainers_part)),
     Target("transformers.trainer", "Trainer._inner_training_loop", phases.training_loop_wrapper(_current_limit)),
+    Target("transformers.trainer", "Trainer._save_checkpoint", phases.save_wrapper),
 )
 
 

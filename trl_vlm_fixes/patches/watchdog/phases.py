@@ -46,8 +46,36 @@ class Phase:
         return max(self.floor_factor * floor, FACTOR * self.slowest)
 
 
+# After a checkpoint save every rank goes on at once, but under DDP only rank 0 writes (transformers' _save_checkpoint
+# has no barrier): the others wait for it inside their next watched call (a gradient all-reduce, a tensor-parallel
+# prompt gather). That first call after a save may take this many times the floor, so a slow save (an 8B model with its
+# optimizer state on a network filesystem) never ends the waiting ranks.
+SAVE_GRACE_FACTOR = 10.0
+_saved = [False]
+
+
+def checkpoint_saved() -> None:
+    _saved[0] = True
+
+
+def with_save_grace(limit: float, floor: float) -> float:
+    """``limit``, or the save grace for the first watched call after a checkpoint save (then back to ``limit``)."""
+    if not _saved[0]:
+        return limit
+    _saved[0] = False
+    return max(limit, SAVE_GRACE_FACTOR * floor)
+
+
+def save_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Trainer._save_checkpoint``, called by every rank alike: the next watched call gets the save grace."""
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        checkpoint_saved()
+
+
 def _arm(phase: Phase, floor: float, watched: Any) -> int:
-    limit = phase.limit(floor)
+    limit = with_save_grace(phase.limit(floor), floor)
     what = (
         f"{phase.what} (limit {limit:g} s: the larger of {phase.floor_factor * floor:g} s and {FACTOR:g} x its "
         f"slowest completed call, {phase.slowest:.3g} s)"

@@ -130,10 +130,17 @@ def _resume_point(trainer: Any, reports: dict[Path, str]) -> Any:
     from_arguments = _argument_value(getattr(trainer.args, "resume_from_checkpoint", None))
     if from_arguments is not None or not reports:
         return from_arguments
-    from transformers.trainer_utils import get_last_checkpoint
-
     output_dir = str(trainer.args.output_dir)
-    last = get_last_checkpoint(output_dir)
+    if getattr(trainer.args, "save_on_each_node", False):
+        # node-local output dirs: only the hung rank's node would see the report and resume, the others would start
+        # at step 0, and their collectives would stop matching
+        LOGGER.warning(
+            "trl_vlm_fixes.watchdog: the last run in %s ended by the watchdog, but save_on_each_node=True (output "
+            "dirs may be node-local): not resuming on my own; pass resume_from_checkpoint to resume.",
+            output_dir,
+        )
+        return None
+    last = last_complete_checkpoint(output_dir)
     steps = sorted({step for step in map(hang_step, reports.values()) if step is not None})
     if trainer.is_world_process_zero():
         LOGGER.warning(
@@ -146,6 +153,19 @@ def _resume_point(trainer: Any, reports: dict[Path, str]) -> Any:
             RESUME_SWITCH,
         )
     return last
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` holding its ``trainer_state.json`` (written last by transformers' save): a save cut
+    short by the end of the process is passed over instead of failing every restart."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    candidates = []
+    for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if step.isdigit() and (path / "trainer_state.json").is_file():
+            candidates.append((int(step), str(path)))
+    return max(candidates)[1] if candidates else None
 
 
 def _reports_used(reports: dict[Path, str]) -> Any:
