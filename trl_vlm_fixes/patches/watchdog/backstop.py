@@ -16,7 +16,6 @@ writes the stacks and exits with faulthandler's code, 1, not 75 (it has no other
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -103,14 +102,25 @@ class _PosixTimers:
         exit_event.target.thread.function = ctypes.cast(ctypes.CDLL(None)._exit, ctypes.c_void_p)
         self._exit_timer = _create(libc, exit_event)
         self._stacks_timer: Any = None
-        if STACKS_SIGNAL is not None and signal.getsignal(STACKS_SIGNAL) == signal.SIG_DFL:
+        if STACKS_SIGNAL is None or signal.getsignal(STACKS_SIGNAL) != signal.SIG_DFL:
+            LOGGER.warning(
+                "trl_vlm_fixes.watchdog: no free signal for the C-level stack dump; a hang that holds the GIL still "
+                "ends with exit 75, without its stacks."
+            )
+        else:
             faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
             stacks_event = _Sigevent()
             stacks_event.notify = _SIGEV_THREAD_ID  # to the watchdog thread: the hung thread's call is not interrupted
             stacks_event.signo = STACKS_SIGNAL
             stacks_event.target.thread_id = thread_id
-            with contextlib.suppress(OSError):
+            try:
                 self._stacks_timer = _create(libc, stacks_event)
+            except OSError as error:
+                LOGGER.warning(
+                    "trl_vlm_fixes.watchdog: the C-level stack dump timer could not be created (%s); a hang that holds "
+                    "the GIL still ends with exit 75, without its stacks.",
+                    error,
+                )
 
     def set(self, seconds: float) -> None:
         self._after(self._stacks_timer, max(seconds + STACKS_AFTER_SECONDS, 0.001))  # 0 would disarm it

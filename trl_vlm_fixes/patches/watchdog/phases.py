@@ -10,6 +10,7 @@ then ten times what it has been seen to need, if that is more. A call that raise
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,14 +127,17 @@ def optimizer_steps_watched(floor: float, trainer: Any) -> Iterator[None]:
     """
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    armed: list[tuple[int, float]] = []  # innermost last: accelerate's wrapper may be a torch optimizer too
+    # per thread, innermost last (accelerate's wrapper may be a torch optimizer too): two optimizers stepping in two
+    # threads never pop each other's watch
+    armed: dict[int, list[tuple[int, float]]] = {}
 
     def before(optimizer: Any, args: Any, kwargs: Any) -> None:
-        armed.append((_arm(OPTIMIZER_STEP, floor, trainer), time.monotonic()))
+        armed.setdefault(threading.get_ident(), []).append((_arm(OPTIMIZER_STEP, floor, trainer), time.monotonic()))
 
     def after(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if armed:
-            token, started = armed.pop()
+        mine = armed.get(threading.get_ident())
+        if mine:
+            token, started = mine.pop()
             WATCHDOG.disarm(token)
             OPTIMIZER_STEP.slowest = max(OPTIMIZER_STEP.slowest, time.monotonic() - started)
 
@@ -143,8 +147,9 @@ def optimizer_steps_watched(floor: float, trainer: Any) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        for token, _ in armed:
-            WATCHDOG.disarm(token)
+        for watches in armed.values():
+            for token, _ in watches:
+                WATCHDOG.disarm(token)
 
 
 def training_loop_wrapper(floor: Callable[[], float]) -> Wrapper:
