@@ -68,6 +68,25 @@ def server_builds_engine_in_llm_worker() -> bool:
     return hasattr(vllm_serve, "llm_worker")
 
 
+# --- two CPU ranks ---------------------------------------------------------------------------------------------
+
+
+def accelerate_two_cpu_ranks(port: str) -> list[str]:
+    """``accelerate launch`` with two processes on this machine (gloo), before the program and its arguments."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    return [
+        *launch,
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        port,
+    ]
+
+
 # --- TRL's server client, stood in -------------------------------------------------------------------------
 
 

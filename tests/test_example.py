@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import environment_without_switches
+from helpers import accelerate_two_cpu_ranks, environment_without_switches
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_qwen35_vlm.py"
 
@@ -40,25 +40,7 @@ def test_example_with_lora() -> None:
 
 
 def test_example_under_accelerate_with_two_processes() -> None:
-    accelerate = Path(sys.executable).with_name("accelerate")
-    result = _run(
-        [
-            str(accelerate),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            _free_port(),
-            str(EXAMPLE),
-        ]
-    )
+    result = _run([*accelerate_two_cpu_ranks(_free_port()), str(EXAMPLE)])
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} of 2, fix status" in result.stderr

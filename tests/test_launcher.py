@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import environment_without_switches
+from helpers import accelerate_two_cpu_ranks, environment_without_switches
 
 PROBE = (
     "import sys, json, wrapt\n"
@@ -163,9 +163,7 @@ def test_every_accelerate_rank_gets_the_fixes(tmp_path: Path) -> None:
         "states = {k: v['state'] for k, v in plugin.status()['patches'].items()}\n"
         "print(json.dumps({'rank': int(os.environ['RANK']), 'activation': plugin.ACTIVATION, 'states': states}))\n"
     )
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    accelerate += ["--main_process_port", free_port(), str(script)]
+    accelerate = [*accelerate_two_cpu_ranks(free_port()), str(script)]
     launched = run([*launcher(), "run", "--", *accelerate], env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert launched.returncode == 0, launched.stderr[-3000:]
     ranks = [json.loads(line) for line in launched.stdout.splitlines() if line.startswith('{"rank"')]

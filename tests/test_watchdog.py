@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import environment_without_switches, last_json, run_python
+from helpers import accelerate_two_cpu_ranks, environment_without_switches, last_json, run_python
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -64,20 +64,7 @@ def test_a_hang_on_one_rank_ends_both_under_accelerate(tiny_model_dir: Path, tmp
     from conftest import free_port
 
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        free_port(),
+        *accelerate_two_cpu_ranks(free_port()),
         str(PROGRAMS / "hang_generate.py"),
         str(tiny_model_dir),
         str(tmp_path),
