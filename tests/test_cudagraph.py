@@ -150,6 +150,17 @@ def test_real_compilation_config_object_is_copied_not_mutated(vllm_config: Any) 
     assert list(merged.cudagraph_capture_sizes) == [1, 2] and int(merged.mode) == 3
 
 
+def test_a_default_compilation_config_object_gets_the_mode(vllm_config: Any, tiny_model_dir: Any) -> None:
+    """``CompilationConfig()`` as a user passes it: re-validating all its fields (``dataclasses.replace``) fails in
+    vLLM's pydantic class (cudagraph_capture_sizes=None), which would break the engine build."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    merged = merge_compilation_config(vllm_config.CompilationConfig(), "PIECEWISE")
+    assert merged.cudagraph_mode == vllm_config.CUDAGraphMode.PIECEWISE
+    engine_args = EngineArgs(model=str(tiny_model_dir), compilation_config=merged)
+    assert engine_args.compilation_config.cudagraph_mode == vllm_config.CUDAGraphMode.PIECEWISE
+
+
 def test_real_llm_accepts_the_injected_arguments(vllm_config: Any) -> None:
     import inspect
 

@@ -328,8 +328,14 @@ def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir
     ranks = run_tool_loop_ranks(tiny_model_dir, tmp_path, "2,0")
     assert [r["generates"] for r in ranks] == [6, 2] and all(r["steps"] == 2 for r in ranks)
     # the same collectives, in the same order, with the same plugin frame on the stack: a push (parameter gather)
-    # or any collective the plugin caused on one rank only would differ here
-    assert ranks[0]["collectives"] == ranks[1]["collectives"]
+    # or any collective the plugin caused on one rank only would differ here. TRL >= 1.16 pushes the weights at
+    # every tool turn itself (an upstream imbalance under ZeRO-3, not the plugin's): its gathers are left out there.
+    trl_pushes_every_turn = not upstream_reloads_from_disk()
+
+    def compared(record: dict[str, Any]) -> list[Any]:
+        return [c for c in record["collectives"] if not (trl_pushes_every_turn and c[0].startswith("gather_params"))]
+
+    assert compared(ranks[0]) == compared(ranks[1])
     assert any(op.startswith("gather_params") for op, _ in ranks[0]["collectives"]), "pushes are not recorded"
     for record in ranks:
         # a push of reload_skip's own (generate_wrapper -> sync_weights): none here, TRL's sync per step suffices
@@ -337,11 +343,11 @@ def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir
         assert own == [], own
         reduces = [op for op, frames in record["collectives"] if frames and frames[0].startswith("metrics.py")]
         assert reduces == ["all_reduce"] * len(record["logs"])  # metrics' one collective: once per log, every rank
-        # 3 + 1 skipped disk reloads per step (one per generate), the sum over ranks in every rank's log
-        assert [log.get("trl_vlm_fixes/disk_reloads_skipped") for log in record["logs"][:2]] == [4.0, 4.0]
         assert record["on_current_weights"] == record["generates"]
         assert record["disk_reloads"] == 0
         if upstream_reloads_from_disk():  # the fix acts (TRL >= 1.16 re-pushes every turn itself)
+            # 3 + 1 skipped disk reloads per step (one per generate), the sum over ranks in every rank's log
+            assert [log.get("trl_vlm_fixes/disk_reloads_skipped") for log in record["logs"][:2]] == [4.0, 4.0]
             assert record["full_pushes"] == record["steps"]  # TRL's own sync per step; later turns need no push
 
 

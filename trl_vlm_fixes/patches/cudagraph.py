@@ -15,6 +15,7 @@ engine exists and ``enforce_eager`` is never touched.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
 from ..switches import CUDAGRAPH_MODE_VARIABLE, read_choice
+from ..vllm_arguments import cudagraph_mode_problem
 from .watchdog.resume import protected_after_repeated_hang
 
 LOGGER = logging.getLogger("trl_vlm_fixes")
@@ -74,8 +76,11 @@ def merge_compilation_config(existing: Any, mode: str) -> Any:
     if dataclasses.is_dataclass(existing) and hasattr(existing, "cudagraph_mode"):
         previous = existing.cudagraph_mode
         _warn_override(previous, mode)
-        enum_type = _cudagraph_mode_enum(previous)
-        return dataclasses.replace(existing, cudagraph_mode=enum_type[mode])  # type: ignore[type-var]
+        # a copy with one field set: dataclasses.replace would re-validate every field, and vLLM's pydantic
+        # CompilationConfig refuses its own defaults there (cudagraph_capture_sizes=None)
+        merged = copy.deepcopy(existing)
+        merged.cudagraph_mode = _cudagraph_mode_enum(previous)[mode]
+        return merged
     raise TypeError(
         f"trl_vlm_fixes.cudagraph cannot merge into compilation_config of type {type(existing).__name__}; "
         f"pass an int, a dict or a vllm.config.CompilationConfig, or set TRL_VLM_FIXES_CUDAGRAPH=0."
@@ -102,9 +107,15 @@ def _warn_override(previous: Any, mode: str) -> None:
         )
 
 
+def arguments_problem() -> str | None:
+    """Why the installed vLLM would refuse the modes this fix may pass (the selected one, and NONE after a repeated
+    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``."""
+    return cudagraph_mode_problem(selected_mode()) or cudagraph_mode_problem(PROTECTED_MODE)
+
+
 FIX = Fix(
     name="cudagraph",
     summary="vLLM engine runs every Gated-DeltaNet kernel outside CUDA graphs (a reported GDN decode-graph hang)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets("cudagraph", contribute, acts_on=serves_gated_deltanet),
+    targets=engine_builder_targets("cudagraph", contribute, serves_gated_deltanet, arguments_problem),
 )
