@@ -244,21 +244,48 @@ SERVER_ENGINE = ("vllm.entrypoints.llm", "LLM.__init__")
 SERVER = _Builder("trl vllm-serve", "vLLM engine", server=True)
 
 
-def engine_builder_targets(fix_name: str, contribute: Contribution, acts_on: Scope) -> tuple[Target, ...]:
+def _no_reason() -> str | None:
+    return None
+
+
+def engine_builder_targets(
+    fix_name: str,
+    contribute: Contribution,
+    acts_on: Scope,
+    arguments_problem: Callable[[], str | None],
+    upstream_fixed: Callable[[], str | None] = _no_reason,
+) -> tuple[Target, ...]:
     """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
     engine ``trl vllm-serve`` builds. ``contribute`` runs for the engines ``acts_on`` accepts; for the others the fix
-    steps aside and the engine's log line says so."""
+    steps aside and the engine's log line says so. ``arguments_problem`` says why the installed vLLM would refuse the
+    arguments (asked of vLLM's own classes when TRL's module is patched: the fix is then ``skipped``, the engine
+    built as upstream); ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``)."""
     contribution = _Contribution(fix_name, contribute, acts_on)
+
+    def builder_problem(function: Callable[..., Any]) -> str | None:
+        return _builds_engine(function) or arguments_problem()
+
+    def versions_fixed(function: Callable[..., Any]) -> str | None:
+        return upstream_fixed()
+
     colocated = tuple(
         Target(
             module=module,
             qualname=qualname,
             wrapper=_wrapper(f"{module}:{qualname}", _Builder(caller, COLOCATED), contribution),
-            shape_problem=_builds_engine,
+            shape_problem=builder_problem,
+            upstream_fixed=versions_fixed,
             optional=optional,
         )
         for module, qualname, caller, optional in ENGINE_BUILDERS
     )
     module, qualname = SERVER_ENGINE
-    server = Target(module, qualname, _wrapper(f"{module}:{qualname}", SERVER, contribution), optional=True)
+    server = Target(
+        module,
+        qualname,
+        _wrapper(f"{module}:{qualname}", SERVER, contribution),
+        shape_problem=lambda function: arguments_problem(),
+        upstream_fixed=versions_fixed,
+        optional=True,
+    )
     return (*colocated, server)

@@ -120,6 +120,7 @@ class Registry:
         self._reverted = False
         self._strict = False
         self._lock = threading.RLock()
+        self._warned: set[tuple[str, str]] = set()  # (fix, reason) already warned by _skip
         _registries.append(self)
 
     # ------------------------------------------------------------------ public
@@ -275,14 +276,18 @@ class Registry:
         self._records[fix.name].targets[target.key] = (state, detail)
 
     def _skip(self, fix: Fix, target: Target, reason: str) -> None:
+        """State ``skipped``; one WARNING per fix and reason (an engine fix meets one vLLM reason at every target)."""
         self._set(fix, target, "skipped", reason)
         message = (
             f"trl_vlm_fixes: fix {fix.name} cannot be applied ({reason}); the run continues without it. "
-            f"Set {fix.switch}=0 to acknowledge, or pin trl==1.9.1."
+            f"Set {fix.switch}=0 to acknowledge, or pin the validated versions (trl==1.9.1, vllm==0.25.1)."
         )
         if self._strict:
             raise FixNotApplicableError(message + " (raised because TRL_VLM_FIXES_STRICT=1)")
-        LOGGER.warning(message)
+        cause = reason.removeprefix(f"{target.qualname}: ")
+        if (fix.name, cause) not in self._warned:
+            self._warned.add((fix.name, cause))
+            LOGGER.warning(message)
 
 
 def _target_problem(owner: Any, class_name: str, original: Any, target: Target) -> str | None:

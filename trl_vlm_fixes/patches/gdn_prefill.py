@@ -2,8 +2,10 @@
 
 vLLM 0.25.1 on Hopper (SM90) picks FlashInfer 0.6.13's GDN prefill kernel by default, and that kernel is reported to
 hang Qwen3.5 runs after hours (flashinfer-ai/flashinfer#3986, #2623 "Kernel hang in gdn_prefill_sm90", "Barrier error
-detected. Missing wait"; vllm-project/vllm#38916, gone with Triton). FlashInfer replaced it in 0.6.14 (first pinned by
-vLLM 0.26.0). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it; ``gdn_prefill_backend`` does.
+detected. Missing wait"; vllm-project/vllm#38916, gone with Triton). FlashInfer 0.6.14 (first pinned by vLLM 0.26.0)
+replaced it with a CuTe-DSL kernel, on which the hang no longer reproduces (flashinfer#3329): from there the fix is
+``not-needed`` (``kernel_gone``). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it;
+``gdn_prefill_backend`` does.
 The value is added at TRL's ``LLM(...)`` call (colocated and ``trl vllm-serve``, neither of which passes one),
 through the same mechanism as ``cudagraph``, and only for models that have Gated-DeltaNet layers.
 """
@@ -12,9 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from packaging.version import Version
+
 from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
 from ..registry import Fix
 from ..switches import read_choice
+from ..versions import installed_version, public_version
+from ..vllm_arguments import engine_argument_problem
 from .watchdog.resume import protected_after_repeated_hang
 
 BACKEND_VARIABLE = "TRL_VLM_FIXES_GDN_PREFILL_BACKEND"
@@ -42,9 +48,42 @@ def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
 
 
+def arguments_problem() -> str | None:
+    """Why the installed vLLM would refuse ``gdn_prefill_backend`` (the selected value, or triton after a repeated
+    hang), read from its own ``EngineArgs``."""
+    return engine_argument_problem("gdn_prefill_backend", selected_backend()) or engine_argument_problem(
+        "gdn_prefill_backend", PROTECTED_BACKEND
+    )
+
+
+# The first FlashInfer without the SM90 C++ prefill kernel that hangs, and the first vLLM that pins it
+FIXED_FLASHINFER = "0.6.14"
+FIXED_VLLM = "0.26.0"
+
+
+def kernel_gone() -> str | None:
+    """Why the reported hang cannot happen with the installed versions: FlashInfer 0.6.14 removed the SM90 C++
+    ``gdn_prefill_sm90`` kernel (flashinfer-ai/flashinfer#3477 rewrote it in CuTe-DSL; #3329: the hang no longer
+    reproduces there) and vLLM pins FlashInfer >= 0.6.14 from 0.26.0. The installed FlashInfer decides when there is
+    one (a downgrade under ``--no-deps`` keeps the fix); without one, vLLM's pin does."""
+    vllm = installed_version("vllm")
+    if vllm is None or Version(public_version(vllm)) < Version(FIXED_VLLM):
+        return None
+    flashinfer = installed_version("flashinfer-python")
+    if flashinfer is not None and Version(public_version(flashinfer)) < Version(FIXED_FLASHINFER):
+        return None
+    flashinfer_text = f"FlashInfer {flashinfer}" if flashinfer else "no FlashInfer installed (its pin is newer)"
+    return (
+        f"vLLM {vllm} with {flashinfer_text}: FlashInfer {FIXED_FLASHINFER} replaced the SM90 GDN prefill kernel "
+        "reported to hang (flashinfer-ai/flashinfer#3477, #3329)"
+    )
+
+
 FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets("gdn_prefill", contribute, acts_on=serves_gated_deltanet),
+    targets=engine_builder_targets(
+        "gdn_prefill", contribute, serves_gated_deltanet, arguments_problem, upstream_fixed=kernel_gone
+    ),
 )
