@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite, setting up its own environments: ruff, mypy, the wheel (built, installed into a fresh virtual
 # environment, `trl-vlm-fixes status` from there), then the self-test and pytest against the installed wheel (not the
-# checkout) on the validated stack (trl 1.9.1) and on the newest TRL release (LATEST_TRL, 1.16.0 today).
-# LATEST_TRL=none skips the second. Extra arguments go to pytest.
+# checkout) on three stacks: the validated one (trl 1.9.1, transformers 5.17.0, vllm 0.25.1); the newest TRL release
+# on it (LATEST_TRL, 1.16.0 today); and that TRL with the transformers and vLLM its users run (NEWEST_TRANSFORMERS
+# 5.25.0, NEWEST_VLLM 0.31.0, the newest TRL 1.16 supports). LATEST_TRL=none skips the second and third,
+# NEWEST_VLLM=none the third. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 latest=${LATEST_TRL:-1.16.0}
+newest_transformers=${NEWEST_TRANSFORMERS:-5.25.0}
+newest_vllm=${NEWEST_VLLM:-0.31.0}
 bash scripts/setup_env.sh
 .venv/bin/ruff check trl_vlm_fixes tests examples benchmarks conftest.py
 .venv/bin/mypy
@@ -34,4 +38,9 @@ run_suite "$root/.venv" "$@"
 if [ "$latest" != "none" ]; then
   VENV=.venv-trl-latest TRL="$latest" BASE=.venv bash scripts/setup_env.sh
   run_suite "$root/.venv-trl-latest" "$@"
+  if [ "$newest_vllm" != "none" ]; then
+    VENV=.venv-newest TRL="$latest" TRANSFORMERS="$newest_transformers" VLLM="$newest_vllm" BASE=.venv \
+      bash scripts/setup_env.sh
+    run_suite "$root/.venv-newest" "$@"
+  fi
 fi

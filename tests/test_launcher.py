@@ -294,3 +294,33 @@ def test_trl_vllm_serve_engine_the_fixes_miss_is_reported_skipped(tiny_model_dir
     assert "compilation_config" not in engines[0]["kwargs"]
     warnings = [line for line in launched.stderr.splitlines() if "nothing was injected" in line]
     assert sorted(line.split(":")[0] for line in warnings) == ["trl_vlm_fixes.cudagraph", "trl_vlm_fixes.gdn_prefill"]
+
+
+ADVICE = "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place"
+
+
+@pytest.mark.slow
+def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """TRL >= 1.11 replaces itself with `python -m vllm.entrypoints.cli.main serve` (os.execve): the engine fixes
+    cannot reach that engine. Under the launcher the exec'd server (here it stops early: no uvicorn, no GPU) says
+    once which of vLLM's flags give it their settings; with those flags given, nothing to say; without the
+    launcher, silence (the engine runs without the settings)."""
+    from helpers import flashinfer_gdn_prefill_kernel_replaced, server_builds_engine_in_llm_worker
+
+    pytest.importorskip("vllm")
+    if server_builds_engine_in_llm_worker():
+        pytest.skip("this TRL's vllm-serve builds LLM(...) in llm_worker, where the engine fixes reach it")
+    server = [*SERVER["trl vllm-serve"], "--model", str(tiny_model_dir)]
+
+    def advice(command: list[str]) -> list[str]:
+        launched = run(command, cwd=tmp_path, timeout=240)
+        in_vllm_server = os.path.join("vllm", "entrypoints", "cli", "main.py")  # TRL exec'd it; it stopped there
+        assert in_vllm_server in launched.stderr, launched.stderr[-3000:]
+        return [line for line in launched.stderr.splitlines() if line.startswith(ADVICE)]
+
+    [line] = advice([*launcher(), "run", "--", *server])
+    assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in line
+    assert ("--gdn-prefill-backend triton" in line) != flashinfer_gdn_prefill_kernel_replaced()
+    flags = ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}', "--gdn-prefill-backend", "triton"]
+    assert advice([*launcher(), "run", "--", *server, *flags]) == []
+    assert advice(server) == []

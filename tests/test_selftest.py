@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import pytest
-from helpers import environment_without_switches, run_python, upstream_reloads_from_disk
+from helpers import environment_without_switches, gdn_prefill_acts, run_python, upstream_reloads_from_disk
 
 import trl_vlm_fixes
 from trl_vlm_fixes.selftest.runner import run_selftest
@@ -35,6 +35,8 @@ def test_selftest_shows_bugs_and_fixes_on_this_stack() -> None:
     assert fixes["reload_skip"]["bug_present"] is upstream_reloads_from_disk()
     assert fixes["reload_skip"]["fix_works"] is True
     assert fixes["reload_skip"]["state"] == ("applied" if upstream_reloads_from_disk() else "not-needed")
+    assert fixes["gdn_prefill"]["bug_present"] is gdn_prefill_acts() and fixes["gdn_prefill"]["fix_works"] is True
+    assert fixes["gdn_prefill"]["state"] == ("applied" if gdn_prefill_acts() else "not-needed")
     assert set(report["versions"]) == {"trl", "vllm", "transformers", "torch"}
 
 

@@ -15,6 +15,7 @@ from .patches.cudagraph import CudagraphModeError, selected_mode
 from .patches.gdn_prefill import GdnPrefillBackendError, selected_backend
 from .patches.watchdog import selected_limit
 from .registry import FixNotApplicableError, Registry
+from .server_flags import advise_trl_server
 from .status import build_status
 from .switches import SwitchValueError
 
@@ -57,3 +58,4 @@ def status() -> dict[str, Any]:
 
 
 apply()
+advise_trl_server()  # in vLLM's own server exec'd by TRL >= 1.11's `trl vllm-serve`: the flags to pass it

@@ -153,32 +153,25 @@ def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
 
 
 def check_gdn_prefill(model_dir: Path, processor: Any) -> CheckResult:
-    """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for."""
-    from ..patches.gdn_prefill import selected_backend
+    """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for, where the kernel that hangs exists."""
+    from ..patches.gdn_prefill import kernel_gone, selected_backend
+    from ..vllm_arguments import engine_argument_problem
     from .rollout_schedule import build_generation
 
     def measure() -> Any:
         return build_generation(model_dir, processor).llm.init_kwargs.get("gdn_prefill_backend")
 
     def bug(backend: Any) -> tuple[bool, str]:
+        if gone := kernel_gone():
+            return False, f"fix off: gdn_prefill_backend={backend}, no kernel to avoid ({gone})"
         return backend is None, (
             f"fix off: gdn_prefill_backend={backend} (vLLM 0.25.1 then picks FlashInfer's SM90 kernel on Hopper)"
         )
 
     def fix(backend: Any) -> tuple[bool, str]:
-        accepted = True
-        try:
-            import dataclasses
-            import typing
-
-            from vllm.engine.arg_utils import EngineArgs
-
-            field = next(f for f in dataclasses.fields(EngineArgs) if f.name == "gdn_prefill_backend")
-            literal = next(a for a in typing.get_args(field.type) if typing.get_origin(a) is typing.Literal)
-            accepted = backend in typing.get_args(literal)
-        except (ImportError, StopIteration):
-            pass
-        return backend == selected_backend() and accepted, f"fix on: gdn_prefill_backend={backend}"
+        problem = engine_argument_problem("gdn_prefill_backend", backend)
+        detail = f"fix on: gdn_prefill_backend={backend}" + (f" ({problem})" if problem else "")
+        return backend == selected_backend() and problem is None, detail
 
     return _off_then_on("gdn_prefill", measure, bug, fix)
 

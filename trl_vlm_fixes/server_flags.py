@@ -1,0 +1,60 @@
+"""TRL >= 1.11's ``trl vllm-serve`` replaces itself (``os.execve``) with vLLM's own server,
+``python -m vllm.entrypoints.cli.main serve ...`` (huggingface/trl#6765): no frame of TRL's is left where that engine
+is configured, and it is built through ``AsyncLLM``, not ``LLM(...)``, so the engine fixes cannot reach it. Under the
+launcher the plugin loads in that process too; there it says once which of vLLM's own flags (``trl vllm-serve``
+forwards them) give the server's engine the settings the fixes would have given it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from .patches.cudagraph import selected_mode
+from .patches.gdn_prefill import kernel_gone, selected_backend
+from .switches import fix_enabled
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+
+# What TRL 1.16's build_command execs: the interpreter, then these, then the model; plus flags only TRL adds
+TRL_SERVER_COMMAND = ["-m", "vllm.entrypoints.cli.main", "serve"]
+TRL_SERVER_FLAG = "--weight-transfer-config"
+
+
+def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Is this process vLLM's server as TRL >= 1.11's ``trl vllm-serve`` execs it?"""
+    return (
+        list(argv[1:4]) == TRL_SERVER_COMMAND
+        and environ.get("VLLM_SERVER_DEV_MODE") == "1"
+        and TRL_SERVER_FLAG in argv
+    )
+
+
+def _given(argv: Sequence[str], *flags: str) -> bool:
+    return any(argument == flag or argument.startswith((f"{flag}=", f"{flag}.")) for argument in argv for flag in flags)
+
+
+def flags_to_pass(argv: Sequence[str]) -> list[str]:
+    """The flags that give vLLM's server the fixes' engine settings, less those the command already has."""
+    flags = []
+    if fix_enabled("cudagraph") and not _given(argv, "--compilation-config", "-cc"):
+        flags.append(f"--compilation-config '{{\"cudagraph_mode\": \"{selected_mode()}\"}}'")
+    if fix_enabled("gdn_prefill") and kernel_gone() is None and not _given(argv, "--gdn-prefill-backend"):
+        flags.append(f"--gdn-prefill-backend {selected_backend()}")
+    return flags
+
+
+def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """One WARNING in vLLM's server started by ``trl vllm-serve`` when flags the fixes would set are missing."""
+    argv = sys.orig_argv if argv is None else argv
+    if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
+        return
+    flags = flags_to_pass(argv)
+    if flags:
+        LOGGER.warning(
+            "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
+            "engine fixes cannot reach its engine. For a Qwen3.5 (Gated-DeltaNet) model, pass %s to "
+            "`trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation config as a JSON string).",
+            " ".join(flags),
+        )
