@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from program_end import end_program
+
 import trl_vlm_fixes  # noqa: F401 - the plugin under test
 
 
@@ -108,15 +110,7 @@ def main() -> int:
     if os.environ.get("BUILD_ONLY") != "1":
         trainer.train()
         record("end", steps=trainer.state.global_step)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        trainer.accelerator.wait_for_everyone()
-        dist.destroy_process_group()
-    # as tool_loop_ranks.py: skip interpreter teardown (gloo threads may abort it); the records are written
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_program(trainer.accelerator)
 
 
 if __name__ == "__main__":

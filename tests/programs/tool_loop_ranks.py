@@ -17,6 +17,8 @@ import sys
 import traceback
 from typing import Any
 
+from program_end import end_program
+
 import trl_vlm_fixes
 
 PLUGIN_DIR = os.path.dirname(trl_vlm_fixes.__file__)
@@ -150,16 +152,7 @@ def main() -> int:
     })
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:
         handle.write(record)
-    trainer.accelerator.wait_for_everyone()
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Skip interpreter teardown: torch's gloo threads sometimes abort it ("terminate called without an active
-    # exception", SIGABRT) after a finished run, as seen in CI; the record above is already written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_program(trainer.accelerator)
 
 
 if __name__ == "__main__":

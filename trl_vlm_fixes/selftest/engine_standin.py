@@ -12,6 +12,7 @@ the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import warnings
 from collections.abc import Iterable
@@ -189,6 +190,19 @@ class StandInLLM:
             ),
         )
         self.llm_engine.caches = self.caches
+        config = Path(model) / "config.json"
+        if config.is_file() and "vision_config" in json.loads(config.read_text()):
+            self._build_mm_processor()
+
+    def _build_mm_processor(self) -> None:
+        """vLLM builds its multimodal processor with the engine, not at the first generate (where the rollout
+        watchdog would count its ~10-50 s of imports and model inspection as a rollout without progress)."""
+        from .vllm_processor import VllmProcessorUnavailable, processor_for
+
+        try:
+            processor_for(self.init_kwargs["model"], self.init_kwargs.get("mm_processor_kwargs"))
+        except VllmProcessorUnavailable as error:
+            self.mm_processing = str(error)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         if not self.init_kwargs["enable_sleep_mode"]:
