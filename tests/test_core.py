@@ -20,6 +20,7 @@ from helpers import (
     last_json,
     module_from_source,
     run_python,
+    server_builds_engine_in_llm_worker,
     upstream_reloads_from_disk,
 )
 
@@ -254,8 +255,8 @@ def test_version_guard_warns_once_per_fix_and_still_applies() -> None:
         line = next(w for w in warnings if f"fix {fix} " in w)
         assert "trl 1.10.0 (validated: 1.9.1)" in line and switch + "=0" in line
     assert "vllm 0.26.0+cu130 (validated: 0.25.1)" in next(w for w in warnings if "fix cudagraph " in w)
-    # the structural check decides, and the shape is right
-    assert report["states"] == expected_states()
+    # the structural check decides, and the shape is right; a vLLM of 0.26 pins a FlashInfer without the old kernel
+    assert report["states"] == {**expected_states(), "gdn_prefill": "not-needed"}
 
 
 def test_local_version_tags_count_as_validated() -> None:
@@ -518,6 +519,8 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
     """TRL's vllm_serve.py code run as `__main__` (python -m) or `__mp_main__` (a spawned worker) gets the arguments;
     a vllm.LLM built anywhere else is left exactly as upstream, without a line."""
     pytest.importorskip("vllm")
+    if not server_builds_engine_in_llm_worker():
+        pytest.skip("this TRL's vllm-serve execs vLLM's own server: the wrapper steps aside (test_launcher.py)")
     import trl.scripts.vllm_serve as vllm_serve
     import vllm.entrypoints.llm as llm_module
 

@@ -3,27 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from helpers import flashinfer_gdn_prefill_kernel_replaced, run_python
 
+import trl_vlm_fixes
 from trl_vlm_fixes.patches.gdn_prefill import VALID_BACKENDS
 
-# vLLM >= 0.26 pins FlashInfer >= 0.6.14: the fix is not-needed there (tests/test_vllm_arguments.py shows it)
-old_kernel_only = pytest.mark.skipif(
-    flashinfer_gdn_prefill_kernel_replaced(), reason="this vLLM's FlashInfer has no SM90 C++ prefill kernel"
-)
+
+@pytest.fixture
+def old_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """FlashInfer 0.6.13 (the SM90 C++ prefill kernel) as far as the plugin can tell, whatever vLLM is installed: on
+    vLLM >= 0.26 the fix is otherwise not-needed (tests/test_vllm_arguments.py), and these tests run on every stack."""
+    from trl_vlm_fixes.patches import gdn_prefill
+    from trl_vlm_fixes.versions import installed_version
+
+    def versions(package: str) -> str | None:
+        return "0.6.13" if package == "flashinfer-python" else installed_version(package)
+
+    monkeypatch.setattr(gdn_prefill, "installed_version", versions)
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
+    yield
+    monkeypatch.undo()
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
 
 
-@old_kernel_only
+@pytest.mark.usefixtures("old_kernel")
 def test_gdn_model_engine_gets_triton_prefill_and_no_graphs(make_generation: Any) -> None:
     kwargs = make_generation().llm.init_kwargs
     assert kwargs["gdn_prefill_backend"] == "triton"
     assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
 
 
-@old_kernel_only
+@pytest.mark.usefixtures("old_kernel")
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
 def test_backend_is_selectable(make_generation: Any, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", backend.upper())
@@ -36,7 +52,7 @@ def test_bad_backend_fails_the_import_naming_the_variable() -> None:
     assert "TRL_VLM_FIXES_GDN_PREFILL_BACKEND='cutlass'" in result.stderr and "triton, flashinfer" in result.stderr
 
 
-@old_kernel_only
+@pytest.mark.usefixtures("old_kernel")
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
 def test_vllm_resolves_the_backend_the_engine_gets(
     make_generation: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, backend: str
@@ -52,6 +68,7 @@ def test_vllm_resolves_the_backend_the_engine_gets(
     assert engine_args.gdn_prefill_backend == backend
 
 
+@pytest.mark.usefixtures("old_kernel")
 def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off: Any) -> None:
     one_fix_off("gdn_prefill")
     kwargs = make_generation().llm.init_kwargs
@@ -67,3 +84,20 @@ def test_real_vllm_engine_args_take_both_backends() -> None:
     field = next(f for f in dataclasses.fields(EngineArgs) if f.name == "gdn_prefill_backend")
     literal = next(arg for arg in typing.get_args(field.type) if typing.get_origin(arg) is typing.Literal)
     assert set(VALID_BACKENDS) <= set(typing.get_args(literal))
+
+
+def test_where_the_old_kernel_is_gone_the_engine_gets_no_backend_unless_asked(
+    make_generation: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not flashinfer_gdn_prefill_kernel_replaced():
+        pytest.skip("this vLLM's FlashInfer has the SM90 C++ prefill kernel: the tests above cover it")
+    assert "gdn_prefill_backend" not in make_generation().llm.init_kwargs
+    monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", "triton")  # asked for: honoured everywhere
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
+    try:
+        assert make_generation().llm.init_kwargs["gdn_prefill_backend"] == "triton"
+    finally:
+        monkeypatch.undo()
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()

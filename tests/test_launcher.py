@@ -324,3 +324,41 @@ def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_mo
     flags = ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}', "--gdn-prefill-backend", "triton"]
     assert advice([*launcher(), "run", "--", *server, *flags]) == []
     assert advice(server) == []
+    # README's YAML route: TRL writes unknown keys as `--compilation_config <value>`, which vLLM reads too
+    config = tmp_path / "serve.yaml"
+    config.write_text("compilation_config: '{\"cudagraph_mode\": \"PIECEWISE\"}'\ngdn_prefill_backend: triton\n")
+    assert advice([*launcher(), "run", "--", *server, "--config", str(config)]) == []
+
+
+@pytest.mark.parametrize(
+    ("given", "still_advised"),
+    [
+        ([], True),
+        (["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'], False),
+        (["--compilation_config", '{"cudagraph_mode": "NONE"}'], False),
+        (['--compilation-config={"cudagraph_mode": "FULL"}'], False),
+        (["-cc.cudagraph_mode=PIECEWISE"], False),
+        (["--compilation-config", '{"mode": 3}'], True),  # a compilation config without the mode
+    ],
+)
+def test_server_advice_reads_the_compilation_config_as_vllm_does(given: list[str], still_advised: bool) -> None:
+    from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, flags_to_pass
+
+    argv = ["python", *TRL_SERVER_COMMAND, "model", TRL_SERVER_FLAG, '{"backend": "nccl"}', *given]
+    advised = [flag for flag in flags_to_pass(argv) if flag.startswith("--compilation-config")]
+    assert bool(advised) == still_advised
+
+
+def test_status_says_the_engine_fixes_do_not_reach_vllms_own_server() -> None:
+    """TRL >= 1.11: the server target steps aside with the reason, instead of reading `LLM.__init__ wrapped`."""
+    from helpers import server_builds_engine_in_llm_worker
+
+    pytest.importorskip("vllm")
+    code = "import json, trl_vlm_fixes, vllm.entrypoints.llm; print(json.dumps(trl_vlm_fixes.status()['patches']))"
+    patches = last_json_line(run([sys.executable, "-c", code]).stdout)
+    detail = patches["cudagraph"]["detail"]
+    if server_builds_engine_in_llm_worker():
+        assert "LLM.__init__ wrapped" in detail and "execs vLLM's own server" not in detail
+    else:
+        assert "LLM.__init__: not for `trl vllm-serve`: this TRL execs vLLM's own server" in detail, detail
+        assert "LLM.__init__ wrapped" not in detail

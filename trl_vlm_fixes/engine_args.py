@@ -19,6 +19,7 @@ An engine built where a contribution was expected but never applied sets the fix
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import logging
@@ -226,6 +227,25 @@ def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
     report_runtime_state(fix_name, target_key, "skipped", detail)
 
 
+def _server_builds_elsewhere() -> str | None:
+    """TRL >= 1.11's ``vllm_serve.py`` never calls ``LLM(...)``: it execs vLLM's own server (huggingface/trl#6765),
+    whose engine no wrapper here can reach. Read from the file's AST, without importing TRL."""
+    server_file = _server_file()
+    if server_file is None or not os.path.isfile(server_file):
+        return None
+    try:
+        with open(server_file, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if calls_name(tree, "LLM"):
+        return None
+    return (
+        "not for `trl vllm-serve`: this TRL execs vLLM's own server, which the engine fixes cannot reach; pass vLLM's "
+        "flags to it instead (README: Server mode on TRL >= 1.11)"
+    )
+
+
 def _builds_engine(function: Callable[..., Any]) -> str | None:
     tree = function_tree(function)
     if tree is None:
@@ -263,10 +283,14 @@ def engine_builder_targets(
     contribution = _Contribution(fix_name, contribute, acts_on)
 
     def builder_problem(function: Callable[..., Any]) -> str | None:
-        return _builds_engine(function) or arguments_problem()
+        # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins
+        return _builds_engine(function) or (None if upstream_fixed() else arguments_problem())
 
     def versions_fixed(function: Callable[..., Any]) -> str | None:
         return upstream_fixed()
+
+    def server_not_reached(function: Callable[..., Any]) -> str | None:
+        return upstream_fixed() or _server_builds_elsewhere()
 
     colocated = tuple(
         Target(
@@ -284,8 +308,8 @@ def engine_builder_targets(
         module,
         qualname,
         _wrapper(f"{module}:{qualname}", SERVER, contribution),
-        shape_problem=lambda function: arguments_problem(),
-        upstream_fixed=versions_fixed,
+        shape_problem=lambda function: None if upstream_fixed() else arguments_problem(),
+        upstream_fixed=server_not_reached,
         optional=True,
     )
     return (*colocated, server)

@@ -198,8 +198,9 @@ class Registry:
             by_state.setdefault(state, []).append(detail)
         if "skipped" in by_state:
             return "skipped", "; ".join(by_state["skipped"])
-        if "applied" in by_state:
-            return "applied", "; ".join(by_state["applied"] + by_state.get("pending", []))
+        if "applied" in by_state:  # where a target steps aside (trl vllm-serve on TRL >= 1.11), the detail says so
+            details = by_state["applied"] + by_state.get("not-needed", []) + by_state.get("pending", [])
+            return "applied", "; ".join(details)
         if "not-needed" in by_state:
             return "not-needed", "; ".join(by_state["not-needed"])
         return "pending", "; ".join(by_state.get("pending", [])) or "no target present"
@@ -231,7 +232,7 @@ class Registry:
                         continue
                     for target in fix.targets:
                         if target.module == module.__name__ and _patch_key(fix.name, target) not in self._patched:
-                            self._patch(fix, target, module)
+                            self._patch_guarded(fix, target, module)
                 if any(record.enabled for record in self._records.values()):
                     for target in self.support:
                         if target.module == module.__name__ and _patch_key("", target) not in self._patched:
@@ -240,6 +241,15 @@ class Registry:
             raise
         except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
             LOGGER.warning("trl_vlm_fixes: internal error while patching %s: %r", module.__name__, error)
+
+    def _patch_guarded(self, fix: Fix, target: Target, module: ModuleType) -> None:
+        """One target's failure leaves it ``skipped`` and never stops the other fixes' targets in the module."""
+        try:
+            self._patch(fix, target, module)
+        except FixNotApplicableError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
+            self._skip(fix, target, f"internal error while wrapping {target.qualname}: {error!r}")
 
     def _patch(self, fix: Fix | None, target: Target, module: ModuleType) -> None:
         """Wrap one target in place; ``fix`` None is a support target (metrics flush), never reported."""

@@ -31,16 +31,38 @@ def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -
     )
 
 
-def _given(argv: Sequence[str], *flags: str) -> bool:
-    return any(argument == flag or argument.startswith((f"{flag}=", f"{flag}.")) for argument in argv for flag in flags)
+def _options(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(name, value) of every ``--option``/``-cc`` in ``argv``, named as vLLM reads them (``_`` as ``-``, as TRL's
+    YAML config writes them: ``--compilation_config``), the value given with ``=`` or as the next argument."""
+    options = []
+    for index, argument in enumerate(argv):
+        if not argument.startswith("-"):
+            continue
+        name, equals, value = argument.partition("=")
+        if not equals and index + 1 < len(argv) and not argv[index + 1].startswith("-"):
+            value = argv[index + 1]
+        options.append((name[:2] + name[2:].replace("_", "-") if name.startswith("--") else name, value))
+    return options
+
+
+def _sets_cudagraph_mode(options: list[tuple[str, str]]) -> bool:
+    """A compilation config that sets ``cudagraph_mode``: as JSON (``--compilation-config``, ``-cc``) or dotted
+    (``-cc.cudagraph_mode=...``, ``--compilation-config.cudagraph_mode ...``)."""
+    for name, value in options:
+        base, _, field = name.partition(".")
+        dotted = field.replace("_", "-") == "cudagraph-mode"
+        if base in ("--compilation-config", "-cc") and (dotted or "cudagraph_mode" in value):
+            return True
+    return False
 
 
 def flags_to_pass(argv: Sequence[str]) -> list[str]:
     """The flags that give vLLM's server the fixes' engine settings, less those the command already has."""
+    options = _options(argv)
     flags = []
-    if fix_enabled("cudagraph") and not _given(argv, "--compilation-config", "-cc"):
+    if fix_enabled("cudagraph") and not _sets_cudagraph_mode(options):
         flags.append(f"--compilation-config '{{\"cudagraph_mode\": \"{selected_mode()}\"}}'")
-    if fix_enabled("gdn_prefill") and kernel_gone() is None and not _given(argv, "--gdn-prefill-backend"):
+    if fix_enabled("gdn_prefill") and kernel_gone() is None and "--gdn-prefill-backend" not in dict(options):
         flags.append(f"--gdn-prefill-backend {selected_backend()}")
     return flags
 
@@ -48,9 +70,13 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
 def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
     """One WARNING in vLLM's server started by ``trl vllm-serve`` when flags the fixes would set are missing."""
     argv = sys.orig_argv if argv is None else argv
-    if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
+    try:
+        if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
+            return
+        flags = flags_to_pass(argv)
+    except Exception as error:  # noqa: BLE001 - advice must never break the server's start
+        LOGGER.debug("trl_vlm_fixes: no server advice: %r", error)
         return
-    flags = flags_to_pass(argv)
     if flags:
         LOGGER.warning(
             "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "

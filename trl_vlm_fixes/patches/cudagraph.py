@@ -109,8 +109,13 @@ def _warn_override(previous: Any, mode: str) -> None:
 
 def arguments_problem() -> str | None:
     """Why the installed vLLM would refuse the modes this fix may pass (the selected one, and NONE after a repeated
-    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``."""
-    return cudagraph_mode_problem(selected_mode()) or cudagraph_mode_problem(PROTECTED_MODE)
+    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``. A malformed setting is not a vLLM
+    problem: it fails where it is read."""
+    try:
+        mode = selected_mode()
+    except CudagraphModeError:  # a malformed setting is not a vLLM problem: it fails where it is read
+        mode = PROTECTED_MODE
+    return cudagraph_mode_problem(mode) or cudagraph_mode_problem(PROTECTED_MODE)
 
 
 FIX = Fix(

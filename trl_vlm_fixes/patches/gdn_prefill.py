@@ -12,6 +12,7 @@ through the same mechanism as ``cudagraph``, and only for models that have Gated
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from packaging.version import Version
@@ -50,8 +51,12 @@ def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
 
 def arguments_problem() -> str | None:
     """Why the installed vLLM would refuse ``gdn_prefill_backend`` (the selected value, or triton after a repeated
-    hang), read from its own ``EngineArgs``."""
-    return engine_argument_problem("gdn_prefill_backend", selected_backend()) or engine_argument_problem(
+    hang), read from its own ``EngineArgs``. A malformed setting is not a vLLM problem: it fails where it is read."""
+    try:
+        backend = selected_backend()
+    except GdnPrefillBackendError:
+        backend = PROTECTED_BACKEND
+    return engine_argument_problem("gdn_prefill_backend", backend) or engine_argument_problem(
         "gdn_prefill_backend", PROTECTED_BACKEND
     )
 
@@ -65,17 +70,20 @@ def kernel_gone() -> str | None:
     """Why the reported hang cannot happen with the installed versions: FlashInfer 0.6.14 removed the SM90 C++
     ``gdn_prefill_sm90`` kernel (flashinfer-ai/flashinfer#3477 rewrote it in CuTe-DSL; #3329: the hang no longer
     reproduces there) and vLLM pins FlashInfer >= 0.6.14 from 0.26.0. The installed FlashInfer decides when there is
-    one (a downgrade under ``--no-deps`` keeps the fix); without one, vLLM's pin does."""
+    one (a downgrade under ``--no-deps`` keeps the fix); without one, vLLM's pin does. A backend the user asked
+    for (``TRL_VLM_FIXES_GDN_PREFILL_BACKEND`` set) is honoured everywhere: the fix then stays applied."""
+    if os.environ.get(BACKEND_VARIABLE, "").strip():
+        return None
     vllm = installed_version("vllm")
     if vllm is None or Version(public_version(vllm)) < Version(FIXED_VLLM):
         return None
     flashinfer = installed_version("flashinfer-python")
     if flashinfer is not None and Version(public_version(flashinfer)) < Version(FIXED_FLASHINFER):
         return None
-    flashinfer_text = f"FlashInfer {flashinfer}" if flashinfer else "no FlashInfer installed (its pin is newer)"
+    flashinfer_text = f"FlashInfer {flashinfer}" if flashinfer else f"the FlashInfer >= {FIXED_FLASHINFER} it pins"
     return (
         f"vLLM {vllm} with {flashinfer_text}: FlashInfer {FIXED_FLASHINFER} replaced the SM90 GDN prefill kernel "
-        "reported to hang (flashinfer-ai/flashinfer#3477, #3329)"
+        f"reported to hang (flashinfer-ai/flashinfer#3477, #3329); set {BACKEND_VARIABLE}=triton to use Triton anyway"
     )
 
 

@@ -163,7 +163,7 @@ def check_gdn_prefill(model_dir: Path, processor: Any) -> CheckResult:
 
     def bug(backend: Any) -> tuple[bool, str]:
         if gone := kernel_gone():
-            return False, f"fix off: gdn_prefill_backend={backend}, no kernel to avoid ({gone})"
+            return False, f"fix off: gdn_prefill_backend={backend}, no kernel to avoid (installed versions: {gone})"
         return backend is None, (
             f"fix off: gdn_prefill_backend={backend} (vLLM 0.25.1 then picks FlashInfer's SM90 kernel on Hopper)"
         )

@@ -101,10 +101,15 @@ def _repeat_note(context: report.HangContext) -> str | None:
     """The report's line for a hang at the very step this process restarted after."""
     if _restarted_after_step is None or str(context.step) != str(_restarted_after_step):
         return None
+    prefill = ", gdn_prefill_backend=triton"  # where gdn_prefill acts: not where the kernel it avoids is gone
+    with contextlib.suppress(Exception):  # a report is being written: nothing here may stop it
+        from ..gdn_prefill import kernel_gone
+
+        prefill = "" if kernel_gone() else prefill
     return (
         f"{REPEATED} the run restarted after a hang at step {context.step} and hung again at step {context.step} "
-        "(the same batch replayed): the restart builds the engine with the protected settings (cudagraph_mode=NONE, "
-        "gdn_prefill_backend=triton)."
+        f"(the same batch replayed): the restart builds the engine with the protected settings (cudagraph_mode=NONE"
+        f"{prefill})."
     )
 
 
