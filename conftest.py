@@ -87,18 +87,28 @@ def make_trainer(tiny_model_dir: Path, processor: Any, tmp_path: Path) -> Callab
 
 
 @pytest.fixture
-def one_fix_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+def reapply(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
+    """Apply the fixes again after the test changed what they read when TRL's modules are patched (a switch, an
+    installed version, through ``monkeypatch``); afterwards everything is put back and applied again."""
+
+    def again() -> None:
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()
+
+    yield again
+    monkeypatch.undo()
+    again()
+
+
+@pytest.fixture
+def one_fix_off(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> Callable[[str], None]:
     """Turn one fix off through its environment switch (the others stay on), restored after the test."""
 
     def turn_off(name: str) -> None:
         monkeypatch.setenv(f"TRL_VLM_FIXES_{name.upper()}", "0")
-        trl_vlm_fixes.revert()
-        trl_vlm_fixes.apply()
+        reapply()
 
-    yield turn_off  # type: ignore[misc]
-    monkeypatch.undo()
-    trl_vlm_fixes.revert()
-    trl_vlm_fixes.apply()
+    return turn_off
 
 
 @pytest.fixture

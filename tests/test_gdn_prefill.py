@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from helpers import flashinfer_gdn_prefill_kernel_replaced, run_python
 
-import trl_vlm_fixes
 from trl_vlm_fixes.patches.gdn_prefill import VALID_BACKENDS
 
 
 @pytest.fixture
-def old_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def old_kernel(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> None:
     """FlashInfer 0.6.13 (the SM90 C++ prefill kernel) as far as the plugin can tell, whatever vLLM is installed: on
     vLLM >= 0.26 the fix is otherwise not-needed (tests/test_vllm_arguments.py), and these tests run on every stack."""
     from trl_vlm_fixes.patches import gdn_prefill
@@ -24,12 +23,7 @@ def old_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return "0.6.13" if package == "flashinfer-python" else installed_version(package)
 
     monkeypatch.setattr(gdn_prefill, "installed_version", versions)
-    trl_vlm_fixes.revert()
-    trl_vlm_fixes.apply()
-    yield
-    monkeypatch.undo()
-    trl_vlm_fixes.revert()
-    trl_vlm_fixes.apply()
+    reapply()
 
 
 @pytest.mark.usefixtures("old_kernel")
@@ -87,17 +81,11 @@ def test_real_vllm_engine_args_take_both_backends() -> None:
 
 
 def test_where_the_old_kernel_is_gone_the_engine_gets_no_backend_unless_asked(
-    make_generation: Any, monkeypatch: pytest.MonkeyPatch
+    make_generation: Any, monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]
 ) -> None:
     if not flashinfer_gdn_prefill_kernel_replaced():
         pytest.skip("this vLLM's FlashInfer has the SM90 C++ prefill kernel: the tests above cover it")
     assert "gdn_prefill_backend" not in make_generation().llm.init_kwargs
     monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", "triton")  # asked for: honoured everywhere
-    trl_vlm_fixes.revert()
-    trl_vlm_fixes.apply()
-    try:
-        assert make_generation().llm.init_kwargs["gdn_prefill_backend"] == "triton"
-    finally:
-        monkeypatch.undo()
-        trl_vlm_fixes.revert()
-        trl_vlm_fixes.apply()
+    reapply()
+    assert make_generation().llm.init_kwargs["gdn_prefill_backend"] == "triton"

@@ -227,6 +227,7 @@ def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
     report_runtime_state(fix_name, target_key, "skipped", detail)
 
 
+@functools.cache
 def _server_builds_elsewhere() -> str | None:
     """TRL >= 1.11's ``vllm_serve.py`` never calls ``LLM(...)``: it execs vLLM's own server (huggingface/trl#6765),
     whose engine no wrapper here can reach. Read from the file's AST, without importing TRL."""
@@ -282,9 +283,12 @@ def engine_builder_targets(
     built as upstream); ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``)."""
     contribution = _Contribution(fix_name, contribute, acts_on)
 
-    def builder_problem(function: Callable[..., Any]) -> str | None:
+    def refused_arguments() -> str | None:
         # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins
-        return _builds_engine(function) or (None if upstream_fixed() else arguments_problem())
+        return None if upstream_fixed() else arguments_problem()
+
+    def builder_problem(function: Callable[..., Any]) -> str | None:
+        return _builds_engine(function) or refused_arguments()
 
     def versions_fixed(function: Callable[..., Any]) -> str | None:
         return upstream_fixed()
@@ -308,7 +312,7 @@ def engine_builder_targets(
         module,
         qualname,
         _wrapper(f"{module}:{qualname}", SERVER, contribution),
-        shape_problem=lambda function: None if upstream_fixed() else arguments_problem(),
+        shape_problem=lambda function: refused_arguments(),
         upstream_fixed=server_not_reached,
         optional=True,
     )

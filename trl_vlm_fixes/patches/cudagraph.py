@@ -113,7 +113,7 @@ def arguments_problem() -> str | None:
     problem: it fails where it is read."""
     try:
         mode = selected_mode()
-    except CudagraphModeError:  # a malformed setting is not a vLLM problem: it fails where it is read
+    except CudagraphModeError:
         mode = PROTECTED_MODE
     return cudagraph_mode_problem(mode) or cudagraph_mode_problem(PROTECTED_MODE)
 
