@@ -38,7 +38,8 @@ def main() -> None:
     from trl_vlm_fixes.selftest.fixtures import make_image
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
-    model_dir = build_tiny_qwen35_vlm(tempfile.mkdtemp())
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    model_dir = build_tiny_qwen35_vlm(scratch.name)
     processor = AutoProcessor.from_pretrained(model_dir)
     text = "describe what you see in this picture in detail " * 20  # ~1k text tokens with the byte-level vocab
     images = [make_image(args.image, args.image - 32 * (k % 4), k) for k in range(args.rows)]

@@ -25,7 +25,8 @@ def main() -> None:
     from trl_vlm_fixes.selftest.fixtures import build_trainer, mixed_rows
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
-    workdir = tempfile.mkdtemp()
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    workdir = scratch.name
     model_dir = build_tiny_qwen35_vlm(f"{workdir}/tiny")
     processor = AutoProcessor.from_pretrained(model_dir)
     trainer = build_trainer(model_dir, processor, f"{workdir}/out")

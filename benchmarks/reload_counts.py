@@ -17,7 +17,8 @@ def main() -> None:
     from trl_vlm_fixes.selftest.rollout_schedule import TrainerLoop, build_generation, run_schedule
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
-    model_dir = build_tiny_qwen35_vlm(tempfile.mkdtemp())
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    model_dir = build_tiny_qwen35_vlm(scratch.name)
     processor = AutoProcessor.from_pretrained(model_dir)
     rows = []
     for label, on in (("fix off (TRL 1.9.1)", False), ("fix on", True)):

@@ -11,6 +11,21 @@ root=$(pwd)
 latest=${LATEST_TRL:-1.16.0}
 newest_transformers=${NEWEST_TRANSFORMERS:-5.25.0}
 newest_vllm=${NEWEST_VLLM:-0.31.0}
+
+# Enough disk for the environments still to build? (Measured: the first takes about 7 GB, torch alone 5.5; each further
+# one, hard-linked to it, about 1.5.) Say so at once rather than die in pip with "No space left on device".
+need_gb=0
+[ -x .venv/bin/python ] || need_gb=8
+if [ "$latest" != "none" ]; then
+  [ -x .venv-trl-latest/bin/python ] || need_gb=$((need_gb + 2))
+  [ "$newest_vllm" = "none" ] || [ -x .venv-newest/bin/python ] || need_gb=$((need_gb + 2))
+fi
+free_gb=$(($(df -Pk . | awk 'NR==2 {print $4}') / 1048576))
+if [ "$free_gb" -lt "$need_gb" ]; then
+  echo "scripts/test.sh: only $free_gb GB free under $root; the test environments still to build need about $need_gb GB." >&2
+  echo "Free disk space (old clones, old .venv-* folders, pip's cache), or skip stacks: LATEST_TRL=none or NEWEST_VLLM=none." >&2
+  exit 1
+fi
 bash scripts/setup_env.sh
 .venv/bin/ruff check trl_vlm_fixes tests examples benchmarks conftest.py
 .venv/bin/mypy

@@ -153,7 +153,7 @@ def run_variant(model_dir: Path, steps: int, stand_in: bool) -> dict[str, Any]:
             force_triton_gdn_prefill()  # the bundles lack FlashInfer; with the plugin, gdn_prefill picks Triton itself
     result: dict[str, Any] = {}
     started = time.perf_counter()
-    trainer = build_trainer(model_dir, tempfile.mkdtemp(), steps, stand_in)
+    trainer = build_trainer(model_dir, tempfile.mkdtemp(dir=model_dir.parent), steps, stand_in)
     result["fixes"] = {name: patch["state"] for name, patch in trl_vlm_fixes.status()["patches"].items()}
     result["trainer_and_engine_start_s"] = round(time.perf_counter() - started, 1)
     engine = trainer.vllm_generation.llm
@@ -250,7 +250,8 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANT_SWITCHES)}")
     from common import build_random_qwen35
 
-    model_dir = build_random_qwen35(tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers)
+    scratch = tempfile.TemporaryDirectory()  # the model and each variant's output_dir; removed when main returns
+    model_dir = build_random_qwen35(Path(scratch.name) / "model", hidden=args.hidden, layers=args.layers)
     report: dict[str, Any] = {"steps": args.steps, "stand_in": args.stand_in, "hidden": args.hidden, "variants": {}}
     if not args.stand_in:
         from common import versions

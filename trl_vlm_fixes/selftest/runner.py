@@ -248,20 +248,20 @@ def collect() -> dict[str, Any]:
     from .fixtures import build_trainer
     from .tiny_model import build_tiny_qwen35_vlm
 
-    workdir = tempfile.mkdtemp(prefix="trl_vlm_fixes_selftest_")
-    model_dir = build_tiny_qwen35_vlm(os.path.join(workdir, "tiny-qwen35-vlm"))
-    processor = AutoProcessor.from_pretrained(model_dir)
-    trainer = build_trainer(model_dir, processor, os.path.join(workdir, "out"), disable_tqdm=True)
-    checks = {
-        "mm_realign": check_mm_realign(trainer, processor),
-        "prompt_parity": check_prompt_parity(model_dir, processor),
-        "reload_skip": check_reload_skip(model_dir, processor),
-        "cudagraph": check_cudagraph(model_dir, processor),
-        "gdn_prefill": check_gdn_prefill(model_dir, processor),
-        "vision_token_guard": check_vision_token_guard(
-            build_trainer(model_dir, processor, os.path.join(workdir, "loving"), disable_tqdm=True)
-        ),
-    }
+    with tempfile.TemporaryDirectory(prefix="trl_vlm_fixes_selftest_", ignore_cleanup_errors=True) as workdir:
+        model_dir = build_tiny_qwen35_vlm(os.path.join(workdir, "tiny-qwen35-vlm"))
+        processor = AutoProcessor.from_pretrained(model_dir)
+        trainer = build_trainer(model_dir, processor, os.path.join(workdir, "out"), disable_tqdm=True)
+        checks = {
+            "mm_realign": check_mm_realign(trainer, processor),
+            "prompt_parity": check_prompt_parity(model_dir, processor),
+            "reload_skip": check_reload_skip(model_dir, processor),
+            "cudagraph": check_cudagraph(model_dir, processor),
+            "gdn_prefill": check_gdn_prefill(model_dir, processor),
+            "vision_token_guard": check_vision_token_guard(
+                build_trainer(model_dir, processor, os.path.join(workdir, "loving"), disable_tqdm=True)
+            ),
+        }
     failed = [name for name, check in checks.items() if check.fix_works is False]
     status = build_status(REGISTRY, __version__)
     return {
