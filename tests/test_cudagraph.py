@@ -225,6 +225,16 @@ def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
         return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
-    assert "qwen_gdn_attention_core" in calls(gdn.QwenGatedDeltaNetAttention.forward_cuda)
+    forward = calls(gdn.QwenGatedDeltaNetAttention.forward_cuda)
+    assert "qwen_gdn_attention_core" in forward
     assert "_forward_core" in calls(gdn.qwen_gdn_attention_core)  # conv1d + recurrent attention, behind the op
-    assert "_forward_core" not in calls(gdn.QwenGatedDeltaNetAttention.forward_cuda)
+    assert "_forward_core" not in forward
+    # every vLLM op the layer calls is a split point: vLLM 0.31's fused decode op too (with the unfused one above,
+    # at least one op is always found, so this cannot pass by finding none)
+    source = ast.parse(textwrap.dedent(inspect.getsource(gdn.QwenGatedDeltaNetAttention.forward_cuda)))
+    layer_ops = {
+        f"vllm::{n.attr}"
+        for n in ast.walk(source)
+        if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "torch.ops.vllm"
+    }
+    assert "vllm::qwen_gdn_attention_core" in layer_ops and layer_ops <= set(config.splitting_ops), layer_ops

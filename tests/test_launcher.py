@@ -319,6 +319,7 @@ def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_mo
         return [line for line in launched.stderr.splitlines() if line.startswith(ADVICE)]
 
     [line] = advice([*launcher(), "run", "--", *server])
+    assert f"The served model ({tiny_model_dir}) has Gated-DeltaNet layers" in line
     assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in line
     assert ("--gdn-prefill-backend triton" in line) != flashinfer_gdn_prefill_kernel_replaced()
     flags = ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}', "--gdn-prefill-backend", "triton"]
@@ -347,6 +348,30 @@ def test_server_advice_reads_the_compilation_config_as_vllm_does(given: list[str
     argv = ["python", *TRL_SERVER_COMMAND, "model", TRL_SERVER_FLAG, '{"backend": "nccl"}', *given]
     advised = [flag for flag in flags_to_pass(argv) if flag.startswith("--compilation-config")]
     assert bool(advised) == still_advised
+
+
+def test_server_advice_is_as_wide_as_the_model(tiny_model_dir: Path, tiny_text_model_dir: Path, caplog: Any) -> None:
+    """Flags that take CUDA graphs away are advised for a Gated-DeltaNet model only: a model without such layers gets
+    one line saying none is needed; a model whose config is not on this machine (a hub id not downloaded yet: the
+    advice never downloads) gets the advice stated as conditional."""
+    from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, advise_trl_server
+
+    def advice(model: str) -> str:
+        argv = ["python", *TRL_SERVER_COMMAND, model, TRL_SERVER_FLAG, '{"backend": "nccl"}']
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+            advise_trl_server(argv, {"VLLM_SERVER_DEV_MODE": "1"})
+        [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith(ADVICE)]
+        return line
+
+    gated = advice(str(tiny_model_dir))
+    assert "has Gated-DeltaNet layers" in gated and "--compilation-config" in gated
+    plain = advice(str(tiny_text_model_dir))
+    assert f"none is needed: the served model ({tiny_text_model_dir}) has no Gated-DeltaNet layers" in plain
+    assert "--compilation-config" not in plain and "--gdn-prefill-backend" not in plain
+    unknown = advice("nobody/not-downloaded-model")
+    assert "For a Qwen3.5 (Gated-DeltaNet) model (this one's config is not on this machine yet)" in unknown
+    assert "--compilation-config" in unknown
 
 
 def test_status_says_the_engine_fixes_do_not_reach_vllms_own_server() -> None:

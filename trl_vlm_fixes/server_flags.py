@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from .engine_args import has_gated_deltanet_layers
 from .patches.cudagraph import selected_mode
 from .patches.gdn_prefill import kernel_gone, selected_backend
 from .switches import fix_enabled
@@ -67,20 +68,51 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
     return flags
 
 
+def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
+    """Has the model TRL's command serves (right after ``serve``) Gated-DeltaNet layers? ``None`` when its config is
+    not on this machine yet: the advice must not download anything before the server does."""
+    model = argv[4] if len(argv) > 4 else ""
+    if not model or model.startswith("-"):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return has_gated_deltanet_layers(AutoConfig.from_pretrained(model, local_files_only=True))
+    except Exception as error:  # noqa: BLE001 - unreadable here: the advice stays conditional
+        LOGGER.debug("trl_vlm_fixes: cannot read the config of %s: %r", model, error)
+        return None
+
+
 def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """One WARNING in vLLM's server started by ``trl vllm-serve`` when flags the fixes would set are missing."""
+    """One line in vLLM's server started by ``trl vllm-serve``: a WARNING naming the flags the fixes would set when
+    they are missing for a Gated-DeltaNet model, or why none are needed for a model without such layers."""
     argv = sys.orig_argv if argv is None else argv
     try:
         if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
             return
         flags = flags_to_pass(argv)
+        gated_deltanet = served_model_has_gated_deltanet(argv) if flags else None
     except Exception as error:  # noqa: BLE001 - advice must never break the server's start
         LOGGER.debug("trl_vlm_fixes: no server advice: %r", error)
         return
-    if flags:
-        LOGGER.warning(
-            "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
-            "engine fixes cannot reach its engine. For a Qwen3.5 (Gated-DeltaNet) model, pass %s to "
-            "`trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation config as a JSON string).",
-            " ".join(flags),
-        )
+    if not flags:
+        return
+    server = (
+        "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
+        "engine fixes cannot reach its engine"
+    )
+    if gated_deltanet is False:
+        LOGGER.warning("%s; none is needed: the served model (%s) has no Gated-DeltaNet layers.", server, argv[4])
+        return
+    model = (
+        f"The served model ({argv[4]}) has Gated-DeltaNet layers"
+        if gated_deltanet
+        else "For a Qwen3.5 (Gated-DeltaNet) model (this one's config is not on this machine yet)"
+    )
+    LOGGER.warning(
+        "%s. %s: pass %s to `trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation config as "
+        "a JSON string).",
+        server,
+        model,
+        " ".join(flags),
+    )
