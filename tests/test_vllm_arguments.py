@@ -151,3 +151,29 @@ def test_status_says_why_gdn_prefill_steps_aside() -> None:
         assert state["state"] == "not-needed" and "replaced the SM90 GDN prefill kernel" in state["detail"], state
     else:
         assert state["state"] == "applied", state
+
+
+def test_a_vllm_that_cannot_be_read_is_a_reason_to_step_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM installed but its classes unimportable (a broken install, a missing compiled part): each check names what
+    it could not read instead of raising into the user's engine build."""
+    import sys
+
+    import vllm.engine.arg_utils
+
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", None)  # `from vllm.engine.arg_utils import ...` fails
+    engine_argument_problem.cache_clear()
+    cudagraph_mode_problem.cache_clear()
+    try:
+        engine = engine_argument_problem("gdn_prefill_backend", "triton")
+        assert engine is not None and engine.startswith("cannot read vLLM's EngineArgs")
+        mode = cudagraph_mode_problem("PIECEWISE")
+        assert mode is not None and mode.startswith("cannot read vLLM's EngineArgs")
+        monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", vllm.engine.arg_utils)  # readable again
+        monkeypatch.setitem(sys.modules, "vllm.config", None)
+        engine_argument_problem.cache_clear()
+        cudagraph_mode_problem.cache_clear()
+        mode = cudagraph_mode_problem("PIECEWISE")
+        assert mode is not None and mode.startswith("cannot read vLLM's CompilationConfig"), mode
+    finally:
+        engine_argument_problem.cache_clear()
+        cudagraph_mode_problem.cache_clear()
