@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) a test environment: ${VENV:-.venv} with TRL ${TRL:-1.9.1} (the validated stack by default).
 # BASE=<venv> copies an existing environment first (torch is 5.5 GB; copying beats reinstalling), as hard links where
-# the filesystem allows (pip replaces files, never rewrites them in place, so the base stays intact): each further
-# environment then costs only the packages that differ (about 1 GB, not 7).
+# the filesystem allows (pip unlinks a file before writing it and writes its own records afresh, so the base stays
+# intact): each further environment then costs only the packages that differ (about 1.5 GB, not 7).
 # Facts from DEVELOPERS.md: torch 2.14.1 + torchvision 0.29.1 come from this machine's disk; never ask for newer torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,11 @@ stamp="$venv/.stack-$trl_version-$transformers_version-$vllm_version-$(cat scrip
 if [ -f "$stamp" ]; then echo "environment $venv ready (trl $trl_version)"; exit 0; fi
 if [ ! -x "$venv/bin/python" ]; then
   if [ -n "${BASE:-}" ] && [ -x "$BASE/bin/python" ]; then
-    cp -al "$BASE" "$venv" 2>/dev/null || { rm -rf "$venv"; cp -a "$BASE" "$venv"; }
+    rm -rf "$venv"  # a half-made folder would get the copy nested inside it
+    if ! cp -al "$BASE" "$venv" 2>/dev/null; then
+      echo "setup_env.sh: hard links refused here; copying $BASE in full (about 7 GB)" >&2
+      rm -rf "$venv" && cp -a "$BASE" "$venv"
+    fi
   else
     python3 -m venv "$venv"
   fi

@@ -229,7 +229,7 @@ def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
     assert "qwen_gdn_attention_core" in forward
     assert "_forward_core" in calls(gdn.qwen_gdn_attention_core)  # conv1d + recurrent attention, behind the op
     assert "_forward_core" not in forward
-    # every vLLM op the layer calls is a split point: vLLM 0.31's fused decode op too (with the unfused one above,
+    # every vLLM op forward_cuda calls is a split point: vLLM 0.31's fused decode op too (with the unfused one above,
     # at least one op is always found, so this cannot pass by finding none)
     source = ast.parse(textwrap.dedent(inspect.getsource(gdn.QwenGatedDeltaNetAttention.forward_cuda)))
     layer_ops = {

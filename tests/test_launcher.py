@@ -370,8 +370,51 @@ def test_server_advice_is_as_wide_as_the_model(tiny_model_dir: Path, tiny_text_m
     assert f"none is needed: the served model ({tiny_text_model_dir}) has no Gated-DeltaNet layers" in plain
     assert "--compilation-config" not in plain and "--gdn-prefill-backend" not in plain
     unknown = advice("nobody/not-downloaded-model")
-    assert "For a Qwen3.5 (Gated-DeltaNet) model (this one's config is not on this machine yet)" in unknown
+    assert "For a Qwen3.5 (Gated-DeltaNet) model (this one's config could not be read here)" in unknown
     assert "--compilation-config" in unknown
+
+
+ADVICE_PROBE = """
+import json, socket, sys
+connections = []
+socket.socket.connect = lambda self, address: connections.append(str(address))
+from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, advise_trl_server
+import logging
+lines = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("trl_vlm_fixes").addHandler(Collect())
+advise_trl_server(["python", *TRL_SERVER_COMMAND, *sys.argv[1:], TRL_SERVER_FLAG, "{}"], {"VLLM_SERVER_DEV_MODE": "1"})
+print(json.dumps({"lines": lines, "torch": "torch" in sys.modules, "connections": connections}))
+"""
+
+
+def test_server_advice_reads_a_hub_model_from_the_cache_only(
+    tiny_model_dir: Path, tiny_text_model_dir: Path, tmp_path: Path
+) -> None:
+    """A hub id is read from the Hugging Face cache at the revision the command names, as JSON: no connection, no
+    torch imported before vLLM's own start-up (which must precede it), no remote code."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--model"
+    for revision, sha, source in [("main", "a" * 40, tiny_model_dir), ("text-only", "b" * 40, tiny_text_model_dir)]:
+        (repo / "snapshots" / sha).mkdir(parents=True)
+        (repo / "snapshots" / sha / "config.json").write_text((source / "config.json").read_text())
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(sha)
+
+    def probe(*argv: str) -> dict[str, Any]:
+        launched = run([sys.executable, "-c", ADVICE_PROBE, *argv], env={"HF_HUB_CACHE": str(cache)}, cwd=tmp_path)
+        assert launched.returncode == 0, launched.stderr[-2000:]
+        result = last_json_line(launched.stdout)
+        assert not result["torch"] and result["connections"] == [], result
+        [line] = [line for line in result["lines"] if line.startswith(ADVICE)]
+        return {**result, "line": line}
+
+    assert "The served model (org/model) has Gated-DeltaNet layers" in probe("org/model")["line"]
+    assert "none is needed" in probe("org/model", "--revision", "text-only")["line"]
+    assert "could not be read here" in probe("org/other")["line"]
+    assert "has Gated-DeltaNet layers" in probe(str(tiny_model_dir))["line"]
 
 
 def test_status_says_the_engine_fixes_do_not_reach_vllms_own_server() -> None:

@@ -114,16 +114,12 @@ def describe(build: EngineBuild) -> str:
     return "; ".join(parts) + "." if parts else "exactly as upstream."
 
 
-def has_gated_deltanet_layers(config: Any) -> bool:
-    """Does a model config have Gated-DeltaNet layers (``linear_attention`` in its text config's layer types)?"""
+def serves_gated_deltanet(build: EngineBuild) -> bool:
+    """Does the served model have Gated-DeltaNet layers (``linear_attention`` in its text config's layer types)?"""
+    config = build.model_config
     text_config = getattr(config, "text_config", None) or config
     layer_types = getattr(text_config, "layer_types", None) or ()
     return "linear_attention" in layer_types
-
-
-def serves_gated_deltanet(build: EngineBuild) -> bool:
-    """Does the served model have Gated-DeltaNet layers?"""
-    return has_gated_deltanet_layers(build.model_config)
 
 
 def _construct(builder: _Builder, trainer: Any, engine: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

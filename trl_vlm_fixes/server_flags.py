@@ -6,12 +6,14 @@ forwards them) give the server's engine the settings the fixes would have given 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from .engine_args import has_gated_deltanet_layers
 from .patches.cudagraph import selected_mode
 from .patches.gdn_prefill import kernel_gone, selected_backend
 from .switches import fix_enabled
@@ -21,6 +23,8 @@ LOGGER = logging.getLogger("trl_vlm_fixes")
 # What TRL 1.16's build_command execs: the interpreter, then these, then the model; plus flags only TRL adds
 TRL_SERVER_COMMAND = ["-m", "vllm.entrypoints.cli.main", "serve"]
 TRL_SERVER_FLAG = "--weight-transfer-config"
+# Model types whose transformers config puts `linear_attention` layers in `layer_types` when config.json omits them
+GATED_DELTANET_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 
 
 def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
@@ -68,18 +72,42 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
     return flags
 
 
-def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
-    """Has the model TRL's command serves (right after ``serve``) Gated-DeltaNet layers? ``None`` when its config is
-    not on this machine yet: the advice must not download anything before the server does."""
+def served_model_config(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``config.json`` of the model TRL's command serves (right after ``serve``): from its folder, or from the
+    Hugging Face cache at the ``--revision`` given. Read as JSON, not through transformers: this runs before vLLM's
+    start-up, which must come before anything imports torch; and nothing is downloaded or run (remote code)."""
     model = argv[4] if len(argv) > 4 else ""
     if not model or model.startswith("-"):
         return None
-    try:
-        from transformers import AutoConfig
+    path = Path(model)
+    if path.exists():
+        config_file = path / "config.json"
+        return json.loads(config_file.read_text()) if config_file.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
 
-        return has_gated_deltanet_layers(AutoConfig.from_pretrained(model, local_files_only=True))
+    cached = try_to_load_from_cache(model, "config.json", revision=dict(_options(argv)).get("--revision"))
+    return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+
+
+def has_gated_deltanet_layers_in_json(config: Mapping[str, Any]) -> bool | None:
+    """``linear_attention`` in the (text) config's ``layer_types``; a config that leaves them out is read by its
+    model type, where transformers' own default has them; None where the config cannot tell."""
+    text = config.get("text_config") or config
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        return "linear_attention" in layer_types
+    if {config.get("model_type"), text.get("model_type")} & GATED_DELTANET_MODEL_TYPES:
+        return True
+    return None
+
+
+def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
+    """Has the served model Gated-DeltaNet layers? None: its config could not be read here or does not tell."""
+    try:
+        config = served_model_config(argv)
+        return None if config is None else has_gated_deltanet_layers_in_json(config)
     except Exception as error:  # noqa: BLE001 - unreadable here: the advice stays conditional
-        LOGGER.debug("trl_vlm_fixes: cannot read the config of %s: %r", model, error)
+        LOGGER.debug("trl_vlm_fixes: cannot read the served model's config: %r", error)
         return None
 
 
@@ -107,7 +135,7 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
     model = (
         f"The served model ({argv[4]}) has Gated-DeltaNet layers"
         if gated_deltanet
-        else "For a Qwen3.5 (Gated-DeltaNet) model (this one's config is not on this machine yet)"
+        else "For a Qwen3.5 (Gated-DeltaNet) model (this one's config could not be read here)"
     )
     LOGGER.warning(
         "%s. %s: pass %s to `trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation config as "
