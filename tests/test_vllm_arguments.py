@@ -160,9 +160,12 @@ def test_a_vllm_that_cannot_be_read_is_a_reason_to_step_aside(monkeypatch: pytes
 
     import vllm.engine.arg_utils
 
+    def forget() -> None:  # both checks are cached per process
+        engine_argument_problem.cache_clear()
+        cudagraph_mode_problem.cache_clear()
+
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", None)  # `from vllm.engine.arg_utils import ...` fails
-    engine_argument_problem.cache_clear()
-    cudagraph_mode_problem.cache_clear()
+    forget()
     try:
         engine = engine_argument_problem("gdn_prefill_backend", "triton")
         assert engine is not None and engine.startswith("cannot read vLLM's EngineArgs")
@@ -170,10 +173,8 @@ def test_a_vllm_that_cannot_be_read_is_a_reason_to_step_aside(monkeypatch: pytes
         assert mode is not None and mode.startswith("cannot read vLLM's EngineArgs")
         monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", vllm.engine.arg_utils)  # readable again
         monkeypatch.setitem(sys.modules, "vllm.config", None)
-        engine_argument_problem.cache_clear()
-        cudagraph_mode_problem.cache_clear()
+        forget()
         mode = cudagraph_mode_problem("PIECEWISE")
         assert mode is not None and mode.startswith("cannot read vLLM's CompilationConfig"), mode
     finally:
-        engine_argument_problem.cache_clear()
-        cudagraph_mode_problem.cache_clear()
+        forget()

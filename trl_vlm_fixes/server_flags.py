@@ -72,12 +72,18 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
     return flags
 
 
-def served_model_config(argv: Sequence[str]) -> dict[str, Any] | None:
-    """The ``config.json`` of the model TRL's command serves (right after ``serve``): from its folder, or from the
-    Hugging Face cache at the ``--revision`` given. Read as JSON, not through transformers: this runs before vLLM's
-    start-up, which must come before anything imports torch; and nothing is downloaded or run (remote code)."""
+def served_model(argv: Sequence[str]) -> str | None:
+    """The model TRL's command serves: the argument right after ``serve``."""
     model = argv[4] if len(argv) > 4 else ""
-    if not model or model.startswith("-"):
+    return model if model and not model.startswith("-") else None
+
+
+def served_model_config(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``config.json`` of the served model: from its folder, or from the Hugging Face cache at the ``--revision``
+    given. Read as JSON, not through transformers: this runs before vLLM's start-up, which must come before anything
+    imports torch; and nothing is downloaded or run (remote code)."""
+    model = served_model(argv)
+    if model is None:
         return None
     path = Path(model)
     if path.exists():
@@ -130,10 +136,12 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
         "engine fixes cannot reach its engine"
     )
     if gated_deltanet is False:
-        LOGGER.warning("%s; none is needed: the served model (%s) has no Gated-DeltaNet layers.", server, argv[4])
+        LOGGER.warning(
+            "%s; none is needed: the served model (%s) has no Gated-DeltaNet layers.", server, served_model(argv)
+        )
         return
     model = (
-        f"The served model ({argv[4]}) has Gated-DeltaNet layers"
+        f"The served model ({served_model(argv)}) has Gated-DeltaNet layers"
         if gated_deltanet
         else "For a Qwen3.5 (Gated-DeltaNet) model (this one's config could not be read here)"
     )
