@@ -37,7 +37,7 @@ wheel=$(ls dist/trl_vlm_fixes-*.whl)
 rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
 .venv-wheel-check/bin/python -m pip install -q --disable-pip-version-check "$wheel"
 (cd /tmp && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status --json \
-  | "$root/.venv-wheel-check/bin/python" -c "import json,sys; r=json.load(sys.stdin); assert r['activation']=='import' and len(r['patches'])==7, r")
+  | "$root/.venv-wheel-check/bin/python" -c "import json,sys; r=json.load(sys.stdin); assert r['activation']=='import' and len(r['patches'])==8, r")
 
 # tests run from a folder without the package in it, so `import trl_vlm_fixes` is the installed wheel
 stage=$root/.test-stage

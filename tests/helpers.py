@@ -66,6 +66,7 @@ def expected_states() -> dict[str, str]:
     return {
         "mm_realign": "applied",
         "prompt_parity": "applied",
+        "sampling_parity": "applied",
         "reload_skip": expected_reload_skip_state(),
         "cudagraph": "applied",
         "gdn_prefill": "applied" if gdn_prefill_acts() else "not-needed",
@@ -131,6 +132,45 @@ class ServerClientStub:
 
     def reset_prefix_cache(self) -> None:
         pass
+
+
+class StandInServer(ServerClientStub):
+    """`trl vllm-serve` answering from the engine stand-in (vLLM's own Sampler): the request crosses JSON as TRL's
+    client sends it, and the server builds ``SamplingParams`` as TRL 1.9.1's ``vllm_serve.py`` does (its fields, then
+    the request's ``generation_kwargs`` over them) for an engine built with ``logprobs_mode="processed_logprobs"``.
+    Text prompts only. The weights TRL pushes are dropped: a test reads the first step, where both sides hold the
+    checkpoint. ``requests`` keeps every request as the server received it."""
+
+    model_dir = ""
+    requests: list[dict[str, Any]] = []
+    _engine: Any = None
+
+    def get_server_info(self) -> dict[str, Any]:  # TRL >= 1.16 checks the server's logprobs mode
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+    def generate(self, prompts: list[list[int]], n: int = 1, **fields: Any) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+
+        names = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
+        body = {"prompts": prompts, "n": n, **{k: fields[k] for k in names if k in fields}}
+        request = json.loads(json.dumps({**body, "generation_kwargs": fields.get("generation_kwargs") or {}}))
+        type(self).requests.append(request)
+        settings = {"n": request["n"], **{k: request[k] for k in names if k in request}}
+        settings.update(request["generation_kwargs"])
+        if type(self)._engine is None:
+            type(self)._engine = StandInLLM(self.model_dir, logprobs_mode="processed_logprobs")
+        outputs = type(self)._engine.generate(
+            [{"prompt_token_ids": ids} for ids in request["prompts"]], SamplingParams(**settings)
+        )
+        completions = [completion for output in outputs for completion in output.outputs]
+        return {
+            "prompt_ids": [output.prompt_token_ids for output in outputs],
+            "completion_ids": [completion.token_ids for completion in completions],
+            "logprobs": [[[lp.logprob for lp in token.values()] for token in c.logprobs] for c in completions],
+            "logprob_token_ids": [[list(token) for token in c.logprobs] for c in completions],
+        }
 
 
 # --- fresh interpreters ----------------------------------------------------------------------------------------

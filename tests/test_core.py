@@ -60,9 +60,10 @@ print(json.dumps({{
 def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
     report = last_json(run_python(before + "\n" + PROBE, with_vllm=before.startswith("import trl.")))
     assert report == {
-        "grpo": 2,  # mm_realign and the watchdog's scoring phase
-        "rloo": 2,
-        "generate": int(upstream_reloads_from_disk()) + 2,  # reload_skip (where needed), prompt_parity, the watchdog
+        "grpo": 3,  # mm_realign, sampling_parity and the watchdog's scoring phase
+        "rloo": 2,  # sampling_parity is not needed there (RLOO reads no vLLM log-probs)
+        # reload_skip (where needed), prompt_parity, sampling_parity's record, the watchdog
+        "generate": int(upstream_reloads_from_disk()) + 3,
         "init_vllm": 1 + gdn_prefill_acts(),  # cudagraph and gdn_prefill (where the kernel it avoids exists)
         "states": expected_states(),
     }
@@ -95,8 +96,8 @@ def test_double_import_and_apply_wrap_nothing_twice() -> None:
         )
     )
     engine_fixes = 1 + gdn_prefill_acts()
-    assert (report["grpo"], report["rloo"], report["init_vllm"]) == (2, 2, engine_fixes)  # mm_realign + watchdog
-    assert report["generate"] == int(upstream_reloads_from_disk()) + 2  # reload_skip, prompt_parity, watchdog
+    assert (report["grpo"], report["rloo"], report["init_vllm"]) == (3, 2, engine_fixes)  # + sampling_parity on GRPO
+    assert report["generate"] == int(upstream_reloads_from_disk()) + 3  # reload_skip, prompt_parity, sampling, watchdog
 
 
 def _patched_methods() -> dict[tuple[type, str], Any]:

@@ -345,6 +345,9 @@ def test_uneven_tool_turns_across_ranks_finish_on_current_weights(tiny_model_dir
         assert reduces == ["all_reduce"] * len(record["logs"])  # metrics' one collective: once per log, every rank
         assert record["on_current_weights"] == record["generates"]
         assert record["disk_reloads"] == 0
+        # sampling_parity in the tool loop: the policy's tokens of every turn weigh 1 (the tool's are masked)
+        ratios = [log[k] for log in record["logs"] for k in log if k.startswith("sampling/importance_sampling_ratio")]
+        assert ratios and all(abs(ratio - 1.0) < 1e-5 for ratio in ratios), ratios
         if upstream_reloads_from_disk():  # the fix acts (TRL >= 1.16 re-pushes every turn itself)
             # 3 + 1 skipped disk reloads per step (one per generate), the sum over ranks in every rank's log
             assert [log.get("trl_vlm_fixes/disk_reloads_skipped") for log in record["logs"][:2]] == [4.0, 4.0]

@@ -23,19 +23,19 @@ CRASH = r"Image features and image tokens do not match|not an iterator|shape mis
 
 @pytest.fixture(scope="session")
 def loving_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3.5 VLM with its placeholder rows of lm_head scaled 50x: nearly every token it samples is one."""
-    from transformers import AutoModelForImageTextToText
-
+    """The tiny Qwen3.5 VLM with its placeholder rows of lm_head scaled 50x: about half of the mass it samples from
+    is on them, so most completions hold one (through vLLM's own Sampler behind the engine stand-in too)."""
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
-    directory = build_tiny_qwen35_vlm(tmp_path_factory.mktemp("placeholder-loving"))
-    model = AutoModelForImageTextToText.from_pretrained(directory)
-    ids = [model.config.image_token_id, model.config.video_token_id]
-    ids += [model.config.vision_start_token_id, model.config.vision_end_token_id]
-    with torch.no_grad():
-        model.lm_head.weight[ids] *= 50.0
-    model.save_pretrained(directory)
-    return directory
+    return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("placeholder-loving"), placeholder_scale=50.0)
+
+
+@pytest.fixture(scope="session")
+def realistic_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A peaked policy (logits of std ~2) whose placeholders get about 1e-3 of the mass per token, as a trained one."""
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("realistic"), sharpness=20.0, placeholder_scale=0.0)
 
 
 def placeholder_ids(processor: Any) -> set[int]:
@@ -164,7 +164,7 @@ def test_vllm_colocate_request_carries_the_ban(loving_model_dir: Path, tmp_path:
     requests: list[Any] = []
 
     class LovingEngine(StandInLLM):
-        favourite_token_ids = (261, 259)  # image pad, vision start of the tiny vocabulary
+        """Samples the loving policy through vLLM's Sampler: without the ban most rows would hold a placeholder."""
 
         def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
             requests.append(sampling_params)
@@ -202,11 +202,8 @@ def test_vllm_colocate_without_the_guard_crashes(  # TRL bans nothing on the vLL
 
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
-    class LovingEngine(StandInLLM):
-        favourite_token_ids = (261,)
-
     one_fix_off("vision_token_guard")
-    monkeypatch.setattr(vllm_generation, "LLM", LovingEngine, raising=False)
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
     trainer = loving_trainer(loving_model_dir, tmp_path, "grpo", use_vllm=True, vllm_mode="colocate")
     with pytest.raises((TypeError, ValueError, RuntimeError), match=CRASH):
         trainer.train()
@@ -284,7 +281,13 @@ def one_bad_row_trainer(model_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
     class Engine(StandInLLM):
-        favourite_token_ids = (261, 70, 71, 72)  # second token of row r: favourites[r % 4]
+        """Row r's completion is scripted: 256 tokens, the second one the image pad (261) in row 0 alone; vLLM's
+        processed log-probs of them are reported, as for sampled tokens."""
+
+        def script(self, prompt_ids: list[int], row: int, sample: int) -> list[int]:
+            tokens = [32 + (7 * row + i) % 90 for i in range(256)]
+            tokens[1] = (261, 70, 71, 72)[row % 4]
+            return tokens
 
     monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
     monkeypatch.setattr(vllm_generation, "LLM", Engine, raising=False)
@@ -473,3 +476,70 @@ def test_server_engine_decoding_speculatively_keeps_the_words(tiny_model_dir: Pa
     exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
     namespace["llm_worker"](engine, SamplingParams(bad_words=list(PLACEHOLDERS), max_tokens=4))
     assert received[0].bad_words == list(PLACEHOLDERS) and not received[0].logit_bias
+
+
+# --- the ban's share of the distribution does not shrink the gradient (with sampling_parity) ----------------------
+
+
+def grad_norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+
+
+@pytest.mark.parametrize("policy", ["realistic", "loving"])
+def test_training_under_the_ban_keeps_its_gradient(
+    policy: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_fix_off: Any
+) -> None:
+    """The ban takes the placeholders' share out of every token's distribution, and vLLM reports log-probs of the
+    rest. With sampling_parity the batch trains with the gradient it has once that share is accounted for (at
+    identical weights the weight that compares like with like is 1); upstream every row is weighted by the product
+    of its kept shares: ~0.97 for a realistic policy at 32 tokens, ~0 for one that loves its placeholders."""
+    import trl.generation.vllm_generation as vllm_generation
+    from datasets import Dataset
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    prompt = [{"role": "user", "content": "describe"}]
+    trainer = loving_trainer(
+        request.getfixturevalue(f"{policy}_model_dir"),
+        tmp_path,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        num_generations=4,
+        max_completion_length=32,
+        dataset=Dataset.from_dict({"prompt": [prompt]}),
+    )
+    trainer.reward_funcs = [scores_the_bad_row_highest]
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    banned = placeholder_ids(trainer.processing_class)
+
+    torch.manual_seed(0)  # vLLM samples from torch's generator: the same rollout with the fix and without it
+    batch = trainer._generate_and_score_completions([{"prompt": prompt}] * 4)
+    counted = metrics.drain(trainer)
+    kept = counted[metrics.SAMPLING_KEPT_MASS] / counted[metrics.SAMPLING_KEPT_MASS + "/count"]
+    assert not banned & set(batch["completion_ids"].flatten().tolist())  # the ban held
+    _, grads = loss_and_grads(trainer, batch)
+    accounted = {**batch, "importance_sampling_ratio": torch.ones_like(batch["importance_sampling_ratio"])}
+    _, expected = loss_and_grads(trainer, accounted)
+    assert grad_norm(expected) > 0
+    ratio = batch["importance_sampling_ratio"]
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5), ratio
+    tolerance = 1e-4 * max(g.abs().max().item() for g in expected.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=tolerance, msg=name)
+
+    one_fix_off("sampling_parity")
+    torch.manual_seed(0)
+    upstream = trainer._generate_and_score_completions([{"prompt": prompt}] * 4)
+    assert torch.equal(upstream["completion_ids"], batch["completion_ids"])  # the same rollout
+    _, upstream_grads = loss_and_grads(trainer, upstream)
+    shrink = grad_norm(upstream_grads) / grad_norm(expected)
+    weights = upstream["importance_sampling_ratio"].flatten()
+    if policy == "realistic":  # about 1e-3 of the mass banned per token
+        assert 0.99 < kept < 0.9999, kept
+        assert 0.9 < float(weights.mean()) < 0.999 and shrink < 0.999, (weights, shrink)
+    else:  # about half of it
+        assert kept < 0.8, kept
+        assert float(weights.max()) < 1e-3 and shrink < 1e-3, (weights, shrink)

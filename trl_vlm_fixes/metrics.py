@@ -20,8 +20,12 @@ WEIGHT_REPUSHES = PREFIX + "weight_repushes"
 DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
 VISION_TOKEN_ROWS_MASKED = PREFIX + "vision_token_rows_masked"
 PROMPT_MISMATCH_ROWS = PREFIX + "prompt_mismatch_rows"
+SAMPLING_KEPT_MASS = PREFIX + "sampling_kept_mass"
 # the counters summed over ranks, in a fixed order: every rank reduces the same vector whatever it counted
 COUNTERS = (REALIGNED_ROWS, WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED, VISION_TOKEN_ROWS_MASKED, PROMPT_MISMATCH_ROWS)
+# metrics reported as a mean over every rank's items: a sum and a count, each summed over ranks, then divided
+MEANS = (SAMPLING_KEPT_MASS,)
+_COUNT = "/count"  # the item count kept beside a mean's sum until the log
 
 # One value per owner and counter until the next log: memory stays bounded whatever logging_steps is, and for owners
 # nobody drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).
@@ -36,6 +40,12 @@ def count(owner: Any, name: str, amount: Any) -> None:
         totals[name] = totals[name] + amount if name in totals else amount
 
 
+def count_mean(owner: Any, name: str, total: Any, items: Any) -> None:
+    """Add ``items`` items whose values sum to ``total`` to ``owner``'s mean ``name`` (one of MEANS)."""
+    count(owner, name, total)
+    count(owner, name + _COUNT, items)
+
+
 def drain(owner: Any) -> dict[str, float]:
     """Read and reset ``owner``'s counts (the one place a device counter is read)."""
     pending = _counters.pop(owner, None) if owner is not None else None
@@ -45,7 +55,8 @@ def drain(owner: Any) -> dict[str, float]:
 
 
 def summed_over_ranks(values: dict[str, float], accelerator: Any) -> dict[str, float]:
-    """Every rank's counts of this interval added up; a counter appears if any rank counted it.
+    """Every rank's counts of this interval added up (a mean: its sums and item counts added up, then divided); a
+    metric appears if any rank counted it.
 
     One ``accelerator.reduce`` (an all-reduce) of a vector of fixed size, made on every rank at every ``log``:
     transformers' Trainer calls ``log`` on every rank at the same points (``_maybe_log_save_evaluate`` right after
@@ -53,14 +64,20 @@ def summed_over_ranks(values: dict[str, float], accelerator: Any) -> dict[str, f
     after the evaluation loop's gathers), never from a rank-local branch, so the count of these collectives is the
     same on every rank whatever each rank counted. A single process reduces nothing.
     """
-    if getattr(accelerator, "num_processes", 1) <= 1:
-        return values
-    import torch
+    slots = [*COUNTERS, *MEANS, *(name + _COUNT for name in MEANS)]
+    if getattr(accelerator, "num_processes", 1) > 1:
+        import torch
 
-    local = [values.get(name, 0.0) for name in COUNTERS] + [float(name in values) for name in COUNTERS]
-    summed = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
-    total = {name: summed[i] for i, name in enumerate(COUNTERS) if summed[len(COUNTERS) + i] > 0}
-    total.update({name: value for name, value in values.items() if name not in COUNTERS})  # none today: rank-local
+        local = [values.get(name, 0.0) for name in slots] + [float(name in values) for name in slots]
+        summed = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+        reduced = {name: summed[i] for i, name in enumerate(slots) if summed[len(slots) + i] > 0}
+    else:
+        reduced = {name: values[name] for name in slots if name in values}
+    total = {name: value for name, value in reduced.items() if name in COUNTERS}
+    for name in MEANS:
+        items = reduced.get(name + _COUNT, 0.0)
+        if items > 0:
+            total[name] = reduced.get(name, 0.0) / items
     return total
 
 

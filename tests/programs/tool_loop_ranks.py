@@ -92,20 +92,17 @@ def main() -> int:
     turns_seen: list[int] = []
 
     class ScriptedEngine(StandInLLM):
-        """Call the tool until this rank's number of tool responses is in the prompt, then answer."""
+        """Call the tool until this rank's number of tool responses is in the prompt, then answer (the scripted
+        tokens get vLLM's processed log-probs, as sampled ones do)."""
+
+        def script(self, prompt_ids: list[int], row: int, sample: int) -> list[int]:
+            turns = tokenizer.decode(prompt_ids).count("<tool_response>")
+            turns_seen.append(turns)
+            return list(tool_call if turns < tool_turns else answers[row % 2])
 
         def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
             outputs = super().generate(prompts, sampling_params, **kwargs)
             rollouts.append(engine_weights_match(self.rollouts[-1], trainer_weights(holder["trainer"].model)))
-            for row, output in enumerate(outputs):
-                turns = tokenizer.decode(output.prompt_token_ids).count("<tool_response>")
-                turns_seen.append(turns)
-                tokens = tool_call if turns < tool_turns else answers[row % 2]
-                for completion in output.outputs:
-                    completion.token_ids = list(tokens)
-                    if completion.logprobs is not None:
-                        completion.logprobs = [{t: type(completion.logprobs[0][next(iter(completion.logprobs[0]))])(
-                            self.sampling_logprob)} for t in tokens]
             return outputs
 
     vllm_generation.LLM = ScriptedEngine
@@ -147,7 +144,10 @@ def main() -> int:
         "disk_reloads": engine.disk_reloads,
         "full_pushes": engine.tensor_pushes / sum(1 for _ in trainer.model.parameters()),
         "collectives": collectives,
-        "logs": [{k: v for k, v in log.items() if k.startswith("trl_vlm_fixes/")} for log in trainer.state.log_history],
+        "logs": [
+            {k: v for k, v in log.items() if k.startswith(("trl_vlm_fixes/", "sampling/"))}
+            for log in trainer.state.log_history
+        ],
         "tool_turns": turns_seen,
     })
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:

@@ -4,11 +4,21 @@
 from __future__ import annotations
 
 from ..registry import Fix
-from . import cudagraph, gdn_prefill, mm_realign, prompt_parity, reload_skip, vision_token_guard, watchdog
+from . import (
+    cudagraph,
+    gdn_prefill,
+    mm_realign,
+    prompt_parity,
+    reload_skip,
+    sampling_parity,
+    vision_token_guard,
+    watchdog,
+)
 
 ALL_FIXES: tuple[Fix, ...] = (
     mm_realign.FIX,
     prompt_parity.FIX,
+    sampling_parity.FIX,
     reload_skip.FIX,
     cudagraph.FIX,
     gdn_prefill.FIX,

@@ -5,15 +5,17 @@ weights (they read as zeros after waking), ``collective_rpc("reload_weights")`` 
 ``load_weights`` stores pushed tensors, and every ``generate`` records the weights it ran on. Its caches follow vLLM
 0.25.1 (``_EngineCaches``): what each one keeps across requests, and what resets it. A prompt with
 ``multi_modal_data`` goes through vLLM's own multimodal processor (``vllm_processor``), so the prompt ids it reports
-and samples from are the ones the real engine would use. Its public methods keep
-the real ``vllm.LLM`` signatures (checked by the tests wherever vLLM imports) so it cannot drift.
+and samples from are the ones the real engine would use. It decodes for real, one token per engine step: the
+checkpoint's transformers model on the weights the engine holds (``served_model``) gives the logits, and vLLM's own
+``Sampler`` samples them with the request's ``SamplingParams`` (``vllm_sampler``) and returns the processed
+log-probabilities a real engine built by TRL returns. Its public methods keep the real ``vllm.LLM`` signatures
+(checked by the tests wherever vLLM imports) so it cannot drift.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -127,49 +129,143 @@ class _WeightLoader:
         return loaded
 
 
+class _Countdown:
+    """A request whose tokens are already decided (a test's scripted output): it finishes after as many steps."""
+
+    def __init__(self, request: RequestOutput) -> None:
+        self.request = request
+        self.left = max(1, max((len(c.token_ids) for c in request.outputs), default=0))
+
+    def step(self) -> list[RequestOutput]:
+        self.left -= 1
+        return [self.request] if self.left <= 0 else []
+
+    @property
+    def running(self) -> bool:
+        return self.left > 0
+
+
 class _EngineLoop(SimpleNamespace):
     """``llm.llm_engine``, with the step loop of vLLM 0.25.1's ``LLM._run_engine``: ``step()`` is one scheduler
     iteration (one more token for every running request) and returns the requests that finished in it, so whoever
     watches ``step`` sees a rollout's progress as with the real engine."""
 
     steps = 0
-    _running: list[tuple[RequestOutput, int]] = []  # request, tokens it still has to produce
+    _running: list[Any] = []  # what is being decoded: a _Decoding, or a _Countdown of a scripted request
 
     def admit(self, requests: list[RequestOutput]) -> None:
-        longest = (max((len(c.token_ids) for c in r.outputs), default=0) for r in requests)
-        self._running = [*self._running, *((r, max(1, n)) for r, n in zip(requests, longest, strict=True))]
+        """Requests whose tokens are already decided, finishing after as many steps as their longest completion."""
+        self.run([_Countdown(request) for request in requests])
+
+    def run(self, work: list[Any]) -> None:
+        self._running = [*self._running, *work]
 
     def reset_encoder_cache(self) -> None:
         """``LLMEngine.reset_encoder_cache``: the one public reset of the encoder cache in vLLM 0.25.1."""
         self.caches.encoder.clear()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._running)
+        return any(work.running for work in self._running)
 
     def step(self) -> list[RequestOutput]:
         self.steps += 1
-        advanced = [(request, left - 1) for request, left in self._running]
-        self._running = [(request, left) for request, left in advanced if left > 0]
-        return [request for request, left in advanced if left <= 0]
+        finished = [request for work in self._running for request in work.step()]
+        self._running = [work for work in self._running if work.running]
+        return finished
+
+
+@dataclass
+class _Sequence:
+    """One completion being decoded (vLLM: one child request of a prompt's ``n``)."""
+
+    prompt: RequestOutput
+    completion: CompletionOutput
+    vision: dict[str, torch.Tensor]
+    request: Any  # vllm_sampler.Request
+    script: list[int] | None  # tokens a test decided in advance (their processed log-probs are still vLLM's)
+    done: bool = False
+
+
+class _Decoding:
+    """The requests of one ``generate``: every engine step computes each running sequence's next-token logits with
+    the served model on the engine's current weights and samples them all with vLLM's own ``Sampler``."""
+
+    def __init__(self, engine: StandInLLM, sequences: list[_Sequence], batch: Any) -> None:
+        self.engine = engine
+        self.sequences = sequences
+        self.batch = batch
+        self._reported: set[int] = set()
+
+    @property
+    def running(self) -> bool:
+        return any(not sequence.done for sequence in self.sequences)
+
+    def step(self) -> list[RequestOutput]:
+        served = self.engine.served
+        served.use(self.engine.weights, (id(self.engine), self.engine.weights_version))
+        live = [sequence for sequence in self.sequences if not sequence.done]
+        logits = {
+            s.request.request_id: served.next_logits(s.request.prompt_token_ids, s.request.output_token_ids, s.vision)
+            for s in live
+        }
+        scripted = {s.request.request_id: s.script[len(s.request.output_token_ids)] for s in live if s.script}
+        sampled = self.batch.sample(logits, scripted)
+        finished = []
+        for sequence in live:
+            token = sampled[sequence.request.request_id]
+            self.batch.append(sequence.request, token.token_id)
+            sequence.completion.token_ids.append(token.token_id)
+            if sequence.completion.logprobs is not None:
+                sequence.completion.logprobs.append({token.token_id: Logprob(token.logprob, token.rank)})
+            if self._finished(sequence, token.token_id):
+                sequence.done = True
+                finished.append(sequence.request)
+        self.batch.finish(finished)
+        return self._newly_finished()
+
+    def _finished(self, sequence: _Sequence, token_id: int) -> bool:
+        """vLLM's stop checks: max_tokens, then a stop token (EOS unless ignore_eos) once min_tokens are out."""
+        params = sequence.request.params
+        produced = len(sequence.request.output_token_ids)
+        if sequence.script is not None and produced >= len(sequence.script):
+            return True
+        max_tokens = getattr(params, "max_tokens", None)
+        if produced >= (max_tokens if max_tokens is not None else 16):
+            return True
+        stops = set(getattr(params, "stop_token_ids", None) or ())
+        if not getattr(params, "ignore_eos", False):
+            stops |= self.engine.served.eos_token_ids | self.engine.eos_token_ids
+        return token_id in stops and produced >= (getattr(params, "min_tokens", 0) or 0)
+
+    def _newly_finished(self) -> list[RequestOutput]:
+        finished = []
+        for sequence in self.sequences:
+            prompt = sequence.prompt
+            if id(prompt) in self._reported:
+                continue
+            if all(s.done for s in self.sequences if s.prompt is prompt):
+                self._reported.add(id(prompt))
+                finished.append(prompt)
+        return finished
 
 
 class StandInLLM:
     """Colocated engine: sleep levels, reload from disk, pushed weights, and a record of each rollout's weights.
 
-    ``favourite_token_ids``: tokens this engine samples second in every completion unless the request bans them, as a
-    policy that loves its vision placeholders does; ``bad_words`` are honoured as vLLM does for single tokens.
+    It decodes for real: the served model (the checkpoint's transformers class, ``served_model``) computes the logits
+    from the weights the engine holds, and vLLM's own ``Sampler`` (``vllm_sampler``) samples them with the request's
+    ``SamplingParams`` and returns the processed log-probabilities TRL asks for (``logprobs_mode``). ``script``: a
+    test may decide a request's tokens in advance (a tool call); vLLM's processed log-probabilities of those tokens are
+    reported, as for tokens the engine sampled.
     """
 
-    favourite_token_ids: tuple[int, ...] = ()
-
     def __init__(self, model: str, *, enable_sleep_mode: bool = False, **kwargs: Any) -> None:
+        from .served_model import served_model
+
         self.init_kwargs: dict[str, Any] = {"model": model, "enable_sleep_mode": enable_sleep_mode, **kwargs}
-        self.checkpoint = read_checkpoint(model)
-        # a random model samples close to uniformly: reporting that log-probability keeps TRL's importance-sampling
-        # ratio near 1, as with a real engine (a made-up value would mask every sequence and zero the gradients)
-        vocab_matrices = ("lm_head.weight", "embed_tokens.weight")
-        vocab = next(t.shape[0] for n, t in self.checkpoint.items() if n.endswith(vocab_matrices))
-        self.sampling_logprob = -math.log(vocab)
+        self.served = served_model(str(model))
+        # the checkpoint as the engine loads it: under the names TRL pushes (the model's parameter names)
+        self.checkpoint = {name: tensor.clone() for name, tensor in self.served.checkpoint.items()}
         self.weights = {name: tensor.clone() for name, tensor in self.checkpoint.items()}
         self.weights_awake = True
         self.kv_cache_awake = True
@@ -177,22 +273,47 @@ class StandInLLM:
         self.tensor_pushes = 0
         self.sleeps: list[int] = []
         self.rollouts: list[dict[str, torch.Tensor]] = []
-        self._tokenizer: Any = None  # for bad_words, loaded on first use
         # "vllm" once a multimodal prompt went through vLLM's real processor, else why it could not
         self.mm_processing: str | None = None
         self.prompts_seen: list[list[int]] = []  # the prompt ids each request was sampled from, as vLLM reports them
         self.weights_version = 0  # changes with every change of the weights: what each cache entry is tagged with
         self.caches = _EngineCaches()
+        max_model_len = kwargs.get("max_model_len") or 4096
         self.llm_engine = _EngineLoop(
-            model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 4096),  # read by TRL's tool loop
+            model_config=SimpleNamespace(  # read by TRL's tool loop, and by fixes that check the logprobs mode
+                max_model_len=max_model_len, logprobs_mode=kwargs.get("logprobs_mode", "raw_logprobs")
+            ),
             model_executor=SimpleNamespace(
                 driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=_WeightLoader(self)))
             ),
         )
         self.llm_engine.caches = self.caches
+        self._sampler: Any = None
+        self.sampling: str | None = None  # "vllm" once vLLM's Sampler sampled, else why it could not
         config = Path(model) / "config.json"
         if config.is_file() and "vision_config" in json.loads(config.read_text()):
             self._build_mm_processor()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's end-of-sequence token, which vLLM stops at besides the generation config's."""
+        tokenizer = self._tokenizer()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+    def _tokenizer(self) -> Any:
+        from .vllm_sampler import engine_tokenizer
+
+        try:
+            return engine_tokenizer(str(self.init_kwargs["model"]))
+        except ImportError:  # no vLLM: the checkpoint's own tokenizer (the fallback sampler reads no bad words)
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.init_kwargs["model"])
+
+    def script(self, prompt_ids: list[int], row: int, sample: int) -> list[int] | None:
+        """Tokens decided in advance for a request (None: sample them); a test's subclass overrides this."""
+        return None
 
     def _build_mm_processor(self) -> None:
         """vLLM builds its multimodal processor with the engine, not at the first generate (where the rollout
@@ -225,7 +346,7 @@ class StandInLLM:
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         if method == "reload_weights":
-            self.weights = {name: tensor.clone() for name, tensor in read_checkpoint(self.init_kwargs["model"]).items()}
+            self.weights = {name: tensor.clone() for name, tensor in self.checkpoint.items()}
             self.weights_version += 1
             self.caches.encoder.clear()
             self.caches.multimodal.clear()
@@ -251,30 +372,34 @@ class StandInLLM:
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        from .vllm_sampler import Request, sampler_for
+
         if not (self.weights_awake and self.kv_cache_awake):
             raise RuntimeError("generate() on a sleeping engine")
         self.rollouts.append({name: tensor.clone() for name, tensor in self.weights.items()})
-        banned = self.banned_token_ids(sampling_params)
-        favourites = [t for t in self.favourite_token_ids if t not in banned]
-        n = getattr(sampling_params, "n", 1) or 1
-        max_tokens = getattr(sampling_params, "max_tokens", 4) or 4
-        want_logprobs = getattr(sampling_params, "logprobs", None) is not None
-        outputs = []
+        params = sampling_params if sampling_params is not None else _default_sampling_params()
+        n = getattr(params, "n", 1) or 1
+        want_logprobs = getattr(params, "logprobs", None) is not None
+        outputs: list[RequestOutput] = []
+        sequences: list[_Sequence] = []
         for row, prompt in enumerate(prompts if isinstance(prompts, list) else [prompts]):
             ids = self.engine_prompt_ids(prompt)
+            images = _prompt_images(prompt)
             self.prompts_seen.append(ids)
-            self.caches.read(ids, _prompt_images(prompt), self.weights_version)
-            completions = []
-            for k in range(n):
-                # lengths differ between the copies of one prompt, so a group's rewards differ and training moves
-                length = max(1, max_tokens - (row + k) % 3)
-                tokens = [32 + (sum(ids) + 7 * k + i) % 90 for i in range(length)]
-                if favourites:
-                    tokens[min(1, length - 1)] = favourites[(row + k) % len(favourites)]
-                logprobs = [{t: Logprob(self.sampling_logprob)} for t in tokens] if want_logprobs else None
-                completions.append(CompletionOutput(tokens, logprobs))
-            outputs.append(RequestOutput(ids, completions))
-        self.llm_engine.admit(outputs)  # as LLM._run_engine: step until every request has finished
+            self.caches.read(ids, images, self.weights_version)
+            vision = self.served.vision_inputs(ids, images)
+            output = RequestOutput(ids)
+            for sample in range(n):
+                completion = CompletionOutput([], [] if want_logprobs else None)
+                output.outputs.append(completion)
+                request = Request(ids, params.clone() if hasattr(params, "clone") else params)
+                sequences.append(_Sequence(output, completion, vision, request, self.script(ids, row, sample)))
+            outputs.append(output)
+        if self._sampler is None:
+            self._sampler = sampler_for(self.served.vocab_size, self.llm_engine.model_config.max_model_len)
+            self.sampling = getattr(self._sampler, "reason", "vllm")
+        batch = self._sampler.new_batch([s.request for s in sequences], self._tokenizer())
+        self.llm_engine.run([_Decoding(self, sequences, batch)])  # as LLM._run_engine: step until all finished
         finished: set[int] = set()
         while self.llm_engine.has_unfinished_requests():
             finished.update(id(request) for request in self.llm_engine.step())
@@ -300,21 +425,13 @@ class StandInLLM:
         self.mm_processing = "vllm"
         return processed
 
-    def banned_token_ids(self, sampling_params: Any) -> set[int]:
-        """Never sampled, as in vLLM: a ``logit_bias`` of -inf (added to the logits), and a ``bad_words`` word that
-        encodes to one token."""
-        biased = {
-            int(t) for t, bias in (getattr(sampling_params, "logit_bias", None) or {}).items() if bias == -math.inf
-        }
-        words = getattr(sampling_params, "bad_words", None) or []
-        if not words:
-            return biased
-        if self._tokenizer is None:  # loaded once per engine, as vLLM does, not once per generate
-            from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.init_kwargs["model"])
-        encoded = [self._tokenizer.encode(word, add_special_tokens=False) for word in words]
-        return biased | {ids[0] for ids in encoded if len(ids) == 1}
+def _default_sampling_params() -> Any:
+    try:
+        from vllm import SamplingParams
+    except ImportError:
+        return StandInSamplingParams()
+    return SamplingParams()
 
 
 def engine_weights_match(snapshot: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:

@@ -46,6 +46,13 @@ def mixed_dataset(samples: tuple[tuple[int, int, str], ...] = MIXED_SAMPLES[:2])
     return Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "image": [r["image"] for r in rows]})
 
 
+def text_dataset(words: tuple[str, ...] = ("a", "b", "c", "d")) -> Any:
+    """Text-only prompts of equal length (a batch no fix but the one under test needs to score)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": word}] for word in words]})
+
+
 def length_reward(completions: list[Any], **_: Any) -> list[float | None]:
     """A toy reward: longer completions score higher (enough for GRPO to have an advantage signal)."""
     return [float(len(str(completion))) for completion in completions]

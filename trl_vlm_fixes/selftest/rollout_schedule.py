@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -91,6 +93,25 @@ def run_schedule(loop: TrainerLoop) -> None:
     loop.optimizer_step()
     loop.trl_generate()
     loop.trl_generate()  # evaluation after the step: same path, no sync
+
+
+@contextmanager
+def standin_engine_installed(engine_class: Any = None) -> Iterator[None]:
+    """While the block runs, TRL builds the stand-in engine wherever it builds a colocated ``vllm.LLM``."""
+    import importlib
+
+    vllm_generation: Any = importlib.import_module("trl.generation.vllm_generation")
+    saved = getattr(vllm_generation, "LLM", None)
+    from .engine_standin import StandInLLM
+
+    vllm_generation.LLM = engine_class or StandInLLM
+    try:
+        yield
+    finally:
+        if saved is None:
+            del vllm_generation.LLM
+        else:
+            vllm_generation.LLM = saved
 
 
 def build_generation(

@@ -127,6 +127,54 @@ def check_prompt_parity(model_dir: Path, processor: Any) -> CheckResult:
     return _off_then_on("prompt_parity", measure, bug, fix)
 
 
+def check_sampling_parity(model_dir: Path, processor: Any, workdir: str) -> CheckResult:
+    """One GRPO step in colocate mode on the engine stand-in, which samples through vLLM's own Sampler with top_k=5
+    from the trainer's own weights: TRL's importance-sampling weight of each completion, upstream and with the fix."""
+    from transformers import PrinterCallback
+
+    from .fixtures import build_trainer, text_dataset
+    from .rollout_schedule import standin_engine_installed
+
+    def measure() -> dict[str, float] | str:
+        try:
+            with standin_engine_installed():
+                trainer = build_trainer(
+                    model_dir,
+                    processor,
+                    os.path.join(workdir, "sampling"),
+                    use_vllm=True,
+                    vllm_mode="colocate",
+                    max_steps=1,
+                    max_completion_length=16,
+                    generation_kwargs={"top_k": 5, "seed": 0},
+                    disable_tqdm=True,
+                    dataset=text_dataset(),  # equal-length prompts: no other fix is needed to score them
+                )
+                trainer.remove_callback(PrinterCallback)  # --json: stdout carries the report alone
+                trainer.train()
+        except ImportError as error:  # no vLLM here: nothing samples as vLLM does
+            return f"vLLM's Sampler is not importable here ({error})"
+        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+            return f"{type(error).__name__}: {str(error)[:90]}"
+        return next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)
+
+    def weight(outcome: dict[str, float]) -> float:
+        return outcome["sampling/importance_sampling_ratio/mean"]
+
+    def bug(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
+        if isinstance(outcome, str):
+            return None, outcome
+        return weight(outcome) < 0.9, f"fix off: top_k=5 gives a mean importance weight of {weight(outcome):.3g}"
+
+    def fix(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
+        if isinstance(outcome, str):
+            return None, outcome
+        kept = outcome.get("trl_vlm_fixes/sampling_kept_mass", float("nan"))
+        return abs(weight(outcome) - 1.0) < 1e-5, f"fix on: {weight(outcome):.6f} (kept share per token {kept:.2f})"
+
+    return _off_then_on("sampling_parity", measure, bug, fix)
+
+
 def check_reload_skip(model_dir: Path, processor: Any) -> CheckResult:
     from .rollout_schedule import TrainerLoop, build_generation, run_schedule
 
@@ -255,6 +303,7 @@ def collect() -> dict[str, Any]:
         checks = {
             "mm_realign": check_mm_realign(trainer, processor),
             "prompt_parity": check_prompt_parity(model_dir, processor),
+            "sampling_parity": check_sampling_parity(model_dir, processor, workdir),
             "reload_skip": check_reload_skip(model_dir, processor),
             "cudagraph": check_cudagraph(model_dir, processor),
             "gdn_prefill": check_gdn_prefill(model_dir, processor),

@@ -198,8 +198,15 @@ def build_tiny_qwen35_vlm(
     vision: dict[str, Any] | None = None,
     dtype: str = "float32",
     family: str = "qwen3_5",
+    sharpness: float = 1.0,
+    placeholder_scale: float = 1.0,
 ) -> Path:
-    """Write a random VLM checkpoint of ``family`` (tiny unless ``text``/``vision`` say otherwise) and its processor."""
+    """Write a random VLM checkpoint of ``family`` (tiny unless ``text``/``vision`` say otherwise) and its processor.
+
+    The output layer's rows can be rescaled: every token's by ``sharpness`` (20: logits of std ~2, a peaked
+    distribution where top-p and min-p cut, as a trained model's), then the vision placeholders' by
+    ``placeholder_scale`` (0 at sharpness 20: about 1e-3 of the mass per token on them, a realistic policy; 50 at
+    sharpness 1: about half of it, a policy that loves them)."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -211,6 +218,12 @@ def build_tiny_qwen35_vlm(
     torch.manual_seed(seed)
     config = build_config(len(tokenizer), token_ids, text, vision, family)
     model = getattr(transformers, FAMILIES[family].model)(config).to(getattr(torch, dtype))
+    if sharpness != 1.0 or placeholder_scale != 1.0:
+        placeholders = [token_ids[token] for token in SPECIAL_TOKENS[3:]]
+        with torch.no_grad():
+            head = model.get_output_embeddings().weight
+            head.mul_(sharpness)
+            head[placeholders] *= placeholder_scale / sharpness if sharpness else 0.0
     model.generation_config = GenerationConfig(
         eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"]
     )

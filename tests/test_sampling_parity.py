@@ -1,0 +1,310 @@
+"""sampling_parity: TRL's importance-sampling ratio, through vLLM's real Sampler (behind the engine stand-in), with
+identical weights on both sides: collapsed by the ban and truncation upstream, 1 within 1e-5 with the fix."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import StandInServer
+
+import trl_vlm_fixes
+from trl_vlm_fixes.patches.sampling_parity import processed
+from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution, read_distribution
+from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+
+IS_MEAN = "sampling/importance_sampling_ratio/mean"
+IS_MIN = "sampling/importance_sampling_ratio/min"
+IS_MAX = "sampling/importance_sampling_ratio/max"
+LOGP_MEAN = "sampling/sampling_logp_difference/mean"
+LOGP_MAX = "sampling/sampling_logp_difference/max"
+KEPT = "trl_vlm_fixes/sampling_kept_mass"
+COMPLETION = 48
+
+# (name, generation_kwargs): the plugin's ban alone (vision_token_guard, on by default), and each cut and their mix
+SETTINGS = [
+    ("ban", {}),
+    ("top_k", {"top_k": 20}),
+    ("top_p", {"top_p": 0.95}),
+    ("min_p", {"min_p": 0.05}),
+    ("mix", {"top_k": 20, "top_p": 0.95, "min_p": 0.05}),
+]
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 VLM whose next-token distribution is peaked as a trained model's (logits of std ~2), so that
+    top-p and min-p cut something; its placeholders are as likely as any token (the ban removes ~1.5% per token)."""
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("peaked"), sharpness=20.0)
+
+
+@pytest.fixture
+def standin_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trl.generation.vllm_generation as vllm_generation
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+
+
+def train_one_step(model_dir: Path, tmp_path: Path, generation_kwargs: dict[str, Any], **overrides: Any) -> Any:
+    """GRPO, colocate, one step on the rollout of the untrained weights: engine and trainer hold the same weights."""
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.selftest.fixtures import build_trainer
+
+    settings: dict[str, Any] = {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "max_completion_length": COMPLETION,
+        "max_steps": 1,
+        "generation_kwargs": {"seed": 0, **generation_kwargs},  # one rollout, whichever fixes run
+        **overrides,
+    }
+    trainer = build_trainer(model_dir, AutoProcessor.from_pretrained(model_dir), str(tmp_path / "out"), **settings)
+    trainer.train()
+    return trainer
+
+
+def logged(trainer: Any) -> dict[str, float]:
+    return next(log for log in trainer.state.log_history if IS_MEAN in log)
+
+
+# --- the core against vLLM's own Sampler --------------------------------------------------------------------------
+
+
+def vllm_sample(logits: torch.Tensor, params: Any) -> tuple[list[int], list[float]]:
+    """What vLLM 0.25.1's Sampler samples and reports (processed_logprobs) for each row of ``logits``."""
+    from trl_vlm_fixes.selftest.vllm_sampler import Request, VllmSampler
+
+    sampler = VllmSampler(vocab_size=logits.size(1), max_model_len=64)
+    requests = [Request([1, 2, 3], params) for _ in range(logits.size(0))]
+    batch = sampler.new_batch(requests, tokenizer=None)  # token ids only here (no bad words to read)
+    sampled = batch.sample({r.request_id: row for r, row in zip(requests, logits, strict=True)}, {})
+    return [sampled[r.request_id].token_id for r in requests], [sampled[r.request_id].logprob for r in requests]
+
+
+# (name, settings, the trainer's temperature, the logits' scale: 3 peaked, 0.1 flat)
+CORE_CASES = [
+    ("ban", {"logit_bias": {5: -math.inf, 17: -math.inf}}, 1.0, 3.0),
+    ("top_k", {"top_k": 20}, 1.0, 3.0),
+    ("top_p", {"top_p": 0.95}, 1.0, 3.0),
+    ("min_p", {"min_p": 0.05}, 1.0, 3.0),
+    ("mix", {"top_k": 20, "top_p": 0.95, "min_p": 0.05, "logit_bias": {5: -math.inf}}, 1.0, 3.0),
+    ("bias", {"logit_bias": {3: 2.5, 4: -1.0, 5: -math.inf}, "top_p": 0.9}, 1.0, 3.0),
+    ("allowed", {"allowed_token_ids": list(range(40, 400)), "top_k": 50}, 1.0, 3.0),
+    ("temperature", {"temperature": 0.7, "top_p": 0.95}, 1.0, 3.0),  # vLLM samples at 0.7, TRL scores at 1.0
+    ("flat top_p", {"top_p": 0.95}, 1.0, 0.1),  # the boundary lies beyond the first candidates: a full sort
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES, ids=[c[0] for c in CORE_CASES]
+)
+def test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits(
+    name: str, settings: dict[str, Any], trainer_temperature: float, scale: float
+) -> None:
+    """TRL's full-vocabulary log-prob plus the shift equals what vLLM's Sampler returns for the token it sampled."""
+    from vllm import SamplingParams
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 5000) * scale  # a vocabulary wider than the top-p candidates
+    params = SamplingParams(logprobs=0, **{"temperature": 1.0, **settings})
+    tokens, vllm_logprobs = vllm_sample(logits, params)
+    distribution = read_distribution({"temperature": 1.0, **settings}, None)
+    assert isinstance(distribution, SamplingDistribution)
+    ids = torch.tensor(tokens)
+    trl_logps = torch.log_softmax(logits / trainer_temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    shift, log_kept = processed.processed_shift(logits, ids, distribution, trainer_temperature)
+    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+    assert bool((log_kept <= 1e-6).all())
+    if name not in ("temperature", "bias"):  # the same temperature and no bias: the shift is -log(kept share)
+        assert torch.allclose(shift, -log_kept, atol=1e-5)
+
+
+def test_chunks_give_what_one_pass_gives_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    logits, ids = torch.randn(3, 40, 997) * 2, torch.randint(0, 997, (3, 40))
+    distribution = SamplingDistribution(temperature=1.0, top_k=20, top_p=0.9, banned=(3, 9))
+    whole = processed.processed_shift(logits, ids, distribution, 1.0)
+    seen: list[int] = []
+    chunk = processed._chunk
+    monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 10 * 997)
+    monkeypatch.setattr(processed, "_chunk", lambda raw, *a: seen.append(raw.numel()) or chunk(raw, *a))
+    parts = processed.processed_shift(logits, ids, distribution, 1.0)
+    assert max(seen) <= 10 * 997 and len(seen) == 12
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, parts, strict=True))
+
+
+def test_the_stand_in_reports_what_vllms_sampler_computes() -> None:
+    """The stand-in's logprob is the sampled token's under vLLM's processed distribution (checked by hand here)."""
+    from vllm import SamplingParams
+
+    torch.manual_seed(2)
+    logits = torch.randn(8, 300) * 2
+    params = SamplingParams(logprobs=0, top_k=10, top_p=0.9, logit_bias={int(logits[0].argmax()): -math.inf})
+    tokens, logprobs = vllm_sample(logits, params)
+    for row, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        z = logits[row].clone()
+        z[int(logits[0].argmax())] = -math.inf
+        z[z < z.topk(10).values[-1]] = -math.inf
+        ordered, index = z.sort(descending=True)
+        probabilities = ordered.softmax(-1)
+        drop = (probabilities.cumsum(-1) - probabilities) >= 0.9
+        z[index[drop]] = -math.inf
+        assert z[token] > -math.inf
+        assert abs(float(z.log_softmax(-1)[token]) - logprob) < 1e-5
+
+
+# --- GRPO end to end ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "settings"), SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
+    name: str,
+    settings: dict[str, Any],
+    peaked_model_dir: Path,
+    tmp_path: Path,
+    standin_engine: None,
+    one_fix_off: Callable[[str], None],
+) -> None:
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings))
+    one_fix_off("sampling_parity")
+    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings))
+    # upstream: every token's weight is its kept share; over 48 tokens the sequence weight is far from 1 (measured
+    # here: ban 0.93, top_k 2e-6, top_p 0.08, min_p 3e-6, mix 1e-8)
+    assert upstream[IS_MEAN] < 0.95, upstream
+    assert upstream[LOGP_MEAN] > 5e-3, upstream
+    assert KEPT not in upstream
+    # with the fix: the same rollout (seeded) weighs 1, and the kept share is reported
+    for key in (IS_MIN, IS_MEAN, IS_MAX):
+        assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
+    assert with_fix[LOGP_MAX] < 1e-5, with_fix
+    assert 0.0 < with_fix[KEPT] < 0.999, with_fix
+    # the upstream weight is the product of the kept shares: its log is about 48 x log(mean kept share)
+    assert math.log(upstream[IS_MEAN]) < 0.5 * COMPLETION * math.log(with_fix[KEPT])
+
+
+def test_the_loss_gets_trls_own_old_log_probs_and_vllms_in_full_vocabulary_terms(
+    peaked_model_dir: Path, tmp_path: Path, standin_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loss reads: TRL's own old_per_token_logps (the policy loss stays TRL's), and sampling log-probs equal
+    to the trainer's full-vocabulary ones where the weights are identical (the off-policy mask sees no drift)."""
+    from trl import GRPOTrainer
+
+    outputs: list[dict[str, Any]] = []
+    scored: list[torch.Tensor] = []
+    rollout = GRPOTrainer._generate_and_score_completions
+    scoring = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def capture(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = rollout(self, *args, **kwargs)
+        outputs.append(output)
+        return output
+
+    def scores(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = scoring(self, *args, **kwargs)
+        if not torch.is_grad_enabled() and not scored:
+            scored.append(result[0])
+        return result
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", capture)
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", scores)
+    train_one_step(peaked_model_dir, tmp_path, {"top_k": 20, "top_p": 0.95}, off_policy_mask_threshold=0.5)
+    output = outputs[0]
+    mask = output["completion_mask"].bool()
+    ratio = output["importance_sampling_ratio"]
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
+    old, sampling, processed_logps = output["old_per_token_logps"], output["sampling_per_token_logps"], scored[0]
+    # TRL's ratio came from the processed log-probs: they sit log(kept share) above the full-vocabulary ones
+    assert bool((processed_logps[mask] - old[mask] > 1e-3).all())
+    # the loss gets the full-vocabulary old log-probs, and vLLM's sampling log-probs in those terms: equal here
+    assert torch.allclose(old[mask], sampling[mask], atol=1e-5)
+
+
+def test_rloo_reads_no_vllm_log_probs_so_the_fix_is_not_needed_there() -> None:
+    from trl.trainer.rloo_trainer import RLOOTrainer
+
+    detail = trl_vlm_fixes.status()["patches"]["sampling_parity"]["detail"]
+    assert "RLOOTrainer._generate_and_score_completions: this trainer asks vLLM for no log-probs" in detail
+    assert not hasattr(RLOOTrainer.__dict__["_generate_and_score_completions"], "__wrapped__") or (
+        "sampling_parity" not in repr(RLOOTrainer.__dict__["_generate_and_score_completions"])
+    )
+    assert trl_vlm_fixes.status()["patches"]["sampling_parity"]["state"] == "applied"  # GRPO's targets
+
+
+def test_a_setting_it_cannot_model_leaves_trls_ratio_and_says_which(
+    peaked_model_dir: Path, tmp_path: Path, standin_engine: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        trainer = train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}, repetition_penalty=1.1)
+    assert logged(trainer)[IS_MEAN] < 0.6 and KEPT not in logged(trainer)
+    lines = [r.getMessage() for r in caplog.records if "sampling_parity steps aside" in r.getMessage()]
+    assert len(lines) == 1 and "repetition_penalty=1.1" in lines[0], lines
+
+
+def test_a_rollout_without_trls_generate_is_named(
+    peaked_model_dir: Path, tmp_path: Path, standin_engine: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rollout_func with an engine of its own: its sampling settings are unknown, so TRL's ratio stays, one line."""
+    from datasets import Dataset
+    from transformers import AutoProcessor
+    from trl import GRPOConfig, GRPOTrainer
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        return {
+            "prompt_ids": [[70, 71] for _ in prompts],
+            "completion_ids": [[72, 73, 74][: 1 + i % 3] for i in range(len(prompts))],
+            "logprobs": [[-5.0] * (1 + i % 3) for i in range(len(prompts))],
+        }
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+        max_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", use_vllm=True,
+        vllm_mode="colocate",
+    )
+    text = Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]})
+    trainer = GRPOTrainer(
+        model=str(peaked_model_dir), reward_funcs=lambda completions, **_: [float(len(str(c))) for c in completions],
+        args=args, train_dataset=text, processing_class=AutoProcessor.from_pretrained(peaked_model_dir),
+        rollout_func=rollout_func,
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "sampling_parity steps aside" in r.getMessage()]
+    assert len(lines) == 1 and "did not go through TRL's VLLMGeneration.generate" in lines[0], lines
+    assert KEPT not in logged(trainer)
+
+
+@pytest.mark.parametrize(("name", "settings"), SETTINGS[1:], ids=[s[0] for s in SETTINGS[1:]])
+def test_server_mode_ratio_is_one_with_the_fix(
+    name: str,
+    settings: dict[str, Any],
+    peaked_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    one_fix_off: Callable[[str], None],
+) -> None:
+    """Server mode: the settings travel to `trl vllm-serve` through JSON (the guard's ban as bad_words), the server
+    samples with vLLM's Sampler, and the trainer's ratio compares like with like."""
+    import trl.generation.vllm_generation as vllm_generation
+    from datasets import Dataset
+
+    monkeypatch.setattr(StandInServer, "model_dir", str(peaked_model_dir))
+    monkeypatch.setattr(StandInServer, "requests", [])
+    monkeypatch.setattr(StandInServer, "_engine", None)
+    monkeypatch.setattr(vllm_generation, "VLLMClient", StandInServer, raising=False)
+    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    text = Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]})
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings, vllm_mode="server", dataset=text))
+    assert all("<|image_pad|>" in r["generation_kwargs"]["bad_words"] for r in StandInServer.requests)
+    one_fix_off("sampling_parity")
+    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings, vllm_mode="server", dataset=text))
+    assert upstream[IS_MEAN] < 0.6, upstream
+    assert abs(with_fix[IS_MEAN] - 1.0) < 1e-5 and abs(with_fix[IS_MIN] - 1.0) < 1e-5, with_fix
+    assert with_fix[LOGP_MAX] < 1e-5

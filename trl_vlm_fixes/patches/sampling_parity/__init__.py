@@ -1,0 +1,329 @@
+"""sampling_parity: TRL's importance-sampling ratio compares vLLM's log-probs with the trainer's of the same
+distribution, so it measures only the engine/trainer mismatch it exists for.
+
+TRL builds its vLLM engines with ``logprobs_mode="processed_logprobs"`` (colocate and ``trl vllm-serve``): the
+log-probability vLLM returns for a sampled token is taken after its bans (``logit_bias`` -inf, ``bad_words``), biases,
+temperature, ``min_p``, top-k and top-p, renormalised over the tokens that survive. GRPO's scoring pass computes the
+trainer's log-probability over the full vocabulary. Per token the two differ by -log(kept share), exactly, and TRL's
+``vllm_importance_sampling_correction`` (on by default, ``sequence_mask``) multiplies every token's loss by
+exp(sum over the completion of trainer - vLLM log-prob): the sequence weight is the product of the kept shares. The
+plugin's own placeholder ban (1e-4 of the mass per token) leaves 0.66 of the weight at 4,096 tokens; top_p=0.95 with
+top_k=20 leaves almost nothing (huggingface/trl#6789, open). ``sampling/sampling_logp_difference`` and the off-policy
+mask are inflated alike, and a ``clip_min`` drops such rows.
+
+The fix, in GRPO's ``_generate_and_score_completions`` (where TRL scores a rollout and computes the ratio):
+
+- every ``VLLMGeneration.generate`` of the rollout records the distribution vLLM was asked for, as TRL builds the
+  ``SamplingParams`` (``distribution.py``);
+- the scoring pass that gives TRL's ``old_per_token_logps`` (the first, no-gradient forward of the trainer's model
+  there) also gives, from the same logits, each sampled token's log-prob under that distribution at its temperature
+  (``processed.py``: a subtraction for a ban alone; the trainer's own top-k/top-p/min-p otherwise, in chunks, without
+  gradient). TRL computes its ratio, ``sampling/sampling_logp_difference`` and the ratio metrics from those;
+- what TRL hands to the loss is put back as TRL meant it: ``old_per_token_logps`` is TRL's own (the policy loss stays
+  TRL's), and ``sampling_per_token_logps`` (read by the off-policy mask against the full-vocabulary policy) becomes
+  vLLM's log-prob plus the same shift, i.e. vLLM's sampling log-prob expressed over the full vocabulary.
+
+``trl_vlm_fixes/sampling_kept_mass`` reports the mean share of the trainer's distribution the settings keep, per
+sampled token (1.0: nothing truncated). Settings whose effect depends on what was generated so far (penalties,
+``min_tokens``, a bad word of several tokens, structured outputs, custom logits processors), a greedy temperature, an
+engine that returns raw log-probs, or a rollout that did not go through TRL's ``VLLMGeneration.generate`` (a
+``rollout_func`` with its own engine) cannot be modelled: the ratio is then TRL's, and one WARNING names why.
+RLOO asks vLLM for no log-probs and computes no such ratio: the fix is not needed there.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from ... import metrics
+from ...call_arguments import bind
+from ...log_once import warn_once
+from ...registry import Fix, Target, on_trainers
+from ...source_shape import function_tree, string_constants
+from .distribution import SamplingDistribution, effective_settings, read_distribution
+
+LOGGER = logging.getLogger("trl_vlm_fixes")
+_GENERATION_MODULE = "trl.generation.vllm_generation"
+_SCORING = "_get_per_token_logps_and_entropies"
+_ROLLOUT = "_generate_and_score_completions"
+
+
+@dataclass
+class _Rollout:
+    """One ``_generate_and_score_completions``: what vLLM was asked for, and what the scoring pass gave."""
+
+    distributions: list[SamplingDistribution | str] = field(default_factory=list)  # one per generate
+    scored: bool = False  # the old-logps scoring pass has been seen (only the first one is TRL's old logps)
+    trl_logps: Any = None  # TRL's own old_per_token_logps (full vocabulary)
+    processed_logps: Any = None  # what TRL computed its ratio from
+    shift: Any = None
+    log_kept: Any = None
+
+    def distribution(self) -> SamplingDistribution | str:
+        if not self.distributions:
+            return (
+                "the rollout did not go through TRL's VLLMGeneration.generate (a rollout_func with its own engine?): "
+                "the sampling settings are unknown"
+            )
+        first = self.distributions[0]
+        if isinstance(first, str):
+            return first
+        if any(other != first for other in self.distributions[1:]):
+            return "the turns of this rollout were sampled with different settings"
+        return first
+
+
+_current: ContextVar[_Rollout | None] = ContextVar("trl_vlm_fixes_sampling_parity", default=None)
+
+
+# --- what vLLM was asked for ---------------------------------------------------------------------------------------
+
+
+def record_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``VLLMGeneration.generate``: inside a trainer's rollout, record the distribution this call samples from."""
+    rollout = _current.get()
+    if rollout is not None:
+        try:
+            rollout.distributions.append(_asked_for(instance))
+        except Exception as error:  # noqa: BLE001 - reading settings must never break a rollout
+            rollout.distributions.append(f"its sampling settings could not be read ({error!r})")
+    return wrapped(*args, **kwargs)
+
+
+def _asked_for(generation: Any) -> SamplingDistribution | str:
+    mode = _logprobs_mode(generation)
+    if mode not in (None, "processed_logprobs"):
+        return f"the engine returns {mode}, not processed_logprobs"
+    processing = getattr(generation, "processing_class", None)
+    tokenizer = getattr(processing, "tokenizer", processing)
+    return read_distribution(effective_settings(generation), tokenizer)
+
+
+def _logprobs_mode(generation: Any) -> str | None:
+    """The colocated engine's own setting where it can be read (TRL 1.9.1 and 1.16 build it with processed_logprobs;
+    ``trl vllm-serve`` too, and TRL 1.16's trainer refuses a server without it)."""
+    if getattr(generation, "mode", None) != "colocate":
+        return None
+    config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "model_config", None)
+    mode = getattr(config, "logprobs_mode", None)
+    return getattr(mode, "value", mode) if mode is not None else None
+
+
+# --- the rollout and its scoring pass ---------------------------------------------------------------------------
+
+
+def _trainer_steps_aside(trainer: Any) -> str | None:
+    if not getattr(trainer, "use_vllm", False):
+        return "use_vllm is off: TRL samples with transformers and compares no vLLM log-probs"
+    if not getattr(trainer, "vllm_importance_sampling_correction", False):
+        return "vllm_importance_sampling_correction is off: TRL computes no importance-sampling ratio"
+    return None
+
+
+def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """GRPO's ``_generate_and_score_completions``: the rollout's distribution, TRL's ratio from processed log-probs,
+    and TRL's own tensors handed on to the loss."""
+    if reason := _trainer_steps_aside(instance):
+        _step_aside(type(instance).__name__, reason, logging.INFO)
+        return wrapped(*args, **kwargs)
+    rollout = _Rollout()
+    token = _current.set(rollout)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        _current.reset(token)
+    if rollout.processed_logps is not None and isinstance(output, dict):
+        _hand_on(instance, rollout, output)
+    return output
+
+
+def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``_get_per_token_logps_and_entropies``: the first no-gradient pass of the trainer's model inside a rollout is
+    TRL's ``old_per_token_logps`` (checked in TRL's source, ``_old_logps_first``); it returns them processed."""
+    rollout = _current.get()
+    if rollout is None or rollout.scored:
+        return wrapped(*args, **kwargs)
+    import torch
+
+    bound = bind(wrapped, args, kwargs)
+    model = bound.arguments.get("model")
+    if model is not getattr(instance, "model", None) or torch.is_grad_enabled():
+        return wrapped(*args, **kwargs)
+    rollout.scored = True
+    distribution = rollout.distribution()
+    if isinstance(distribution, str):
+        _step_aside(type(instance).__name__, distribution, logging.WARNING)
+        return wrapped(*args, **kwargs)
+    trainer_temperature = float(getattr(instance, "temperature", 1.0))
+    if not distribution.changes_anything and distribution.temperature == trainer_temperature:
+        result = wrapped(*args, **kwargs)  # vLLM sampled the full distribution: nothing to shift, all of it kept
+        logps = result[0]
+        shift, log_kept = torch.zeros_like(logps, dtype=torch.float32), torch.zeros_like(logps, dtype=torch.float32)
+    else:
+        logits_to_keep = int(bound.arguments.get("logits_to_keep") or 0)
+        with _shift_from_logits(model, logits_to_keep, distribution, trainer_temperature) as shifts:
+            result = wrapped(*args, **kwargs)
+        logps = result[0]
+        shift, log_kept = shifts.joined()
+    if shift is None or shift.shape != logps.shape:
+        reason = "the scoring pass did not give one logit row per scored token"
+        _step_aside(type(instance).__name__, reason, logging.WARNING)
+        return result
+    _announce(distribution)
+    rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
+    rollout.processed_logps = logps.to(torch.float32) + shift
+    return (rollout.processed_logps, *result[1:])
+
+
+class _Shifts:
+    def __init__(self) -> None:
+        self.shift: list[Any] = []
+        self.log_kept: list[Any] = []
+
+    def joined(self) -> tuple[Any, Any]:
+        import torch
+
+        if not self.shift:
+            return None, None
+        return torch.cat(self.shift, dim=0), torch.cat(self.log_kept, dim=0)
+
+
+@contextmanager
+def _shift_from_logits(
+    model: Any, logits_to_keep: int, distribution: SamplingDistribution, trainer_temperature: float
+) -> Iterator[_Shifts]:
+    """While TRL's pass runs, each forward of ``model`` (one per TRL batch chunk) also gives the shift of the scored
+    tokens, from the same logits TRL reads (a forward hook: TRL's tensors are only read)."""
+    from .processed import processed_shift
+
+    shifts = _Shifts()
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = getattr(output, "logits", None)
+        if input_ids is None or logits is None:
+            return
+        kept = logits_to_keep or input_ids.size(1) - 1
+        scored = logits[:, :-1, :][:, -kept:, :]  # as TRL slices them
+        shift, log_kept = processed_shift(scored, input_ids[:, -kept:], distribution, trainer_temperature)
+        shifts.shift.append(shift)
+        shifts.log_kept.append(log_kept)
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield shifts
+    finally:
+        handle.remove()
+
+
+def _hand_on(trainer: Any, rollout: _Rollout, output: dict[str, Any]) -> None:
+    """TRL's ratio and metrics are computed; the loss gets TRL's own old log-probs, and vLLM's in full-vocabulary
+    terms."""
+    if output.get("old_per_token_logps") is rollout.processed_logps:
+        output["old_per_token_logps"] = rollout.trl_logps
+    mask = output["completion_mask"]
+    if "tool_mask" in output:
+        mask = mask * output["tool_mask"]
+    shift = rollout.shift * mask
+    sampling = output.get("sampling_per_token_logps")
+    if sampling is not None and sampling.shape == shift.shape:
+        output["sampling_per_token_logps"] = sampling - shift
+    metrics.count_mean(trainer, metrics.SAMPLING_KEPT_MASS, (rollout.log_kept.exp() * mask).sum(), mask.sum())
+
+
+def _step_aside(trainer: str, reason: str, level: int) -> None:
+    key = ("sampling_parity steps aside", trainer, reason)
+    message = (
+        f"trl_vlm_fixes.sampling_parity steps aside for {trainer}: {reason}. The importance-sampling ratio is TRL's "
+        "(it includes the share of the distribution vLLM's settings cut)."
+    )
+    if level >= logging.WARNING:
+        warn_once(key, message)
+    elif key not in _said:
+        _said.add(key)
+        LOGGER.info(message)
+
+
+_said: set[Any] = set()
+
+
+def _announce(distribution: SamplingDistribution) -> None:
+    key = ("sampling_parity acts", distribution)
+    if key not in _said:
+        _said.add(key)
+        LOGGER.info(
+            "trl_vlm_fixes.sampling_parity: the importance-sampling ratio compares vLLM's processed log-probs with the "
+            "trainer's of the same distribution (%s); kept share per token in %s.",
+            distribution.describe(),
+            metrics.SAMPLING_KEPT_MASS,
+        )
+
+
+# --- what this TRL does (read from its source) --------------------------------------------------------------------
+
+
+def _rollout_method(function: Callable[..., Any]) -> Any:
+    """The ``_generate_and_score_completions`` of the class defining ``function``."""
+    qualname = getattr(function, "__qualname__", "")
+    owner = getattr(sys.modules.get(getattr(function, "__module__", "") or ""), qualname.split(".")[0], None)
+    return getattr(owner, _ROLLOUT, None)
+
+
+def _no_ratio(function: Callable[..., Any]) -> str | None:
+    """Not needed where the trainer never reads vLLM's log-probs (TRL's RLOO)."""
+    method = _rollout_method(function)
+    tree = function_tree(method) if method is not None else None
+    if tree is None or "sampling_per_token_logps" in string_constants(tree):
+        return None
+    return "this trainer asks vLLM for no log-probs and computes no importance-sampling ratio"
+
+
+def _old_logps_first(function: Callable[..., Any]) -> str | None:
+    """The shape the scoring wrapper relies on: the first ``_get_per_token_logps_and_entropies`` call of the rollout
+    scores ``self.model`` into ``old_per_token_logps``."""
+    method = _rollout_method(function)
+    tree = function_tree(method) if method is not None else None
+    if tree is None:
+        return "source unavailable, cannot find where TRL scores old_per_token_logps"
+    if "sampling_per_token_logps" not in string_constants(tree):
+        return None  # nothing to correct here: _no_ratio says not-needed
+    calls = sorted(
+        (node for node in ast.walk(tree) if isinstance(node, ast.Assign) and _calls_scoring(node.value)),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+    if not calls:
+        return f"{_ROLLOUT} no longer calls {_SCORING}"
+    first = calls[0]
+    call = first.value
+    assert isinstance(call, ast.Call)
+    target = first.targets[0]
+    names = [element.id for element in getattr(target, "elts", [target]) if isinstance(element, ast.Name)]
+    scored = ast.unparse(call.args[0]) if call.args else ""
+    if names[:1] == ["old_per_token_logps"] and scored == "self.model":
+        return None
+    return f"the first {_SCORING} call of {_ROLLOUT} is no longer TRL's old_per_token_logps of self.model"
+
+
+def _calls_scoring(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == _SCORING
+
+
+_CHECKS: dict[str, Any] = {"shape_problem": _old_logps_first, "upstream_fixed": _no_ratio}
+
+FIX = Fix(
+    name="sampling_parity",
+    summary="the importance-sampling ratio compares vLLM's processed log-probs with the trainer's of the same "
+    "distribution (bans, top-k, top-p, min-p)",
+    packages=("trl", "vllm"),
+    targets=(
+        *on_trainers({_ROLLOUT: rollout_wrapper, _SCORING: scoring_wrapper}, **_CHECKS),
+        Target(_GENERATION_MODULE, "VLLMGeneration.generate", record_wrapper, required_parameters=("prompts",)),
+    ),
+)
