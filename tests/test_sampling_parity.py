@@ -179,7 +179,7 @@ def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
     # upstream: every token's weight is its kept share; over 48 tokens the sequence weight is far from 1 (measured
     # here: ban 0.93, top_k 2e-6, top_p 0.08, min_p 3e-6, mix 1e-8)
     assert upstream[IS_MEAN] < 0.95, upstream
-    assert upstream[LOGP_MEAN] > 5e-3, upstream
+    assert upstream[LOGP_MEAN] > 1e-3, upstream  # -log(kept share) per token: 1.6e-3 for the ban, ~0.3 for top_k
     assert KEPT not in upstream
     # with the fix: the same rollout (seeded) weighs 1, and the kept share is reported
     for key in (IS_MIN, IS_MEAN, IS_MAX):
