@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import environment_without_switches
 
 from conftest import free_port
@@ -30,9 +31,15 @@ def run_metrics_ranks(tmp_path: Path) -> list[Any]:
 
 def test_each_log_reports_the_sum_over_ranks(tmp_path: Path) -> None:
     """Rank 0 counted 3 realigned rows and 1 re-push, rank 1 5 rows and 2 masked rows, then only rank 1 counted
-    (a 0 and 4 re-pushes): rank 0's logs show the sums, a counter only the other rank counted included."""
+    (a 0 and 4 re-pushes): rank 0's logs show the sums, a counter only the other rank counted included. A mean (the
+    kept share: 10 tokens at 0.9 on rank 0, 30 at 0.5 on rank 1) is the mean over every rank's tokens."""
     rank0, rank1 = run_metrics_ranks(tmp_path)
-    first = {metrics.REALIGNED_ROWS: [8.0], metrics.WEIGHT_REPUSHES: [1.0], metrics.VISION_TOKEN_ROWS_MASKED: [2.0]}
+    first = {
+        metrics.REALIGNED_ROWS: [8.0],
+        metrics.WEIGHT_REPUSHES: [1.0],
+        metrics.VISION_TOKEN_ROWS_MASKED: [2.0],
+        metrics.SAMPLING_KEPT_MASS: [pytest.approx((9.0 + 15.0) / 40)],
+    }
     second = {metrics.PROMPT_MISMATCH_ROWS: [0.0], metrics.WEIGHT_REPUSHES: [4.0]}
     assert rank0 == [first, second]
     assert rank1 == rank0  # every rank holds the same sums (all-reduce), whichever one reports

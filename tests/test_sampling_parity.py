@@ -103,6 +103,19 @@ CORE_CASES = [
 ]
 
 
+def output_layer(vocabulary: int, scale: float, hidden: int = 32) -> tuple[torch.Tensor, Any]:
+    """Hidden states of 64 positions and an output layer whose logits have std ~``scale``."""
+    torch.manual_seed(0)
+    states = torch.randn(64, hidden)
+    weight = torch.randn(vocabulary, hidden) * scale / math.sqrt(hidden)
+    return states, processed.OutputLayer(weight)
+
+
+def trl_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """What TRL's scoring pass computes: the full-vocabulary log-prob of each sampled token."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
+
+
 @pytest.mark.parametrize(
     ("name", "settings", "trainer_temperature", "scale"), CORE_CASES, ids=[c[0] for c in CORE_CASES]
 )
@@ -112,32 +125,58 @@ def test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits(
     """TRL's full-vocabulary log-prob plus the shift equals what vLLM's Sampler returns for the token it sampled."""
     from vllm import SamplingParams
 
-    torch.manual_seed(0)
-    logits = torch.randn(64, 5000) * scale  # a vocabulary wider than the top-p candidates
-    params = SamplingParams(logprobs=0, **{"temperature": 1.0, **settings})
-    tokens, vllm_logprobs = vllm_sample(logits, params)
+    states, layer = output_layer(5000, scale)  # a vocabulary wider than the top-p candidates
+    logits = states @ layer.weight.T
+    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **{"temperature": 1.0, **settings}))
     distribution = read_distribution({"temperature": 1.0, **settings}, None)
     assert isinstance(distribution, SamplingDistribution)
     ids = torch.tensor(tokens)
-    trl_logps = torch.log_softmax(logits / trainer_temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
-    shift, log_kept = processed.processed_shift(logits, ids, distribution, trainer_temperature)
+    trl_logps = trl_log_probs(logits, ids, trainer_temperature)
+    shift, log_kept = processed.score(states, ids, layer, distribution, trainer_temperature).finish(trl_logps)
     assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
     assert bool((log_kept <= 1e-6).all())
     if name not in ("temperature", "bias"):  # the same temperature and no bias: the shift is -log(kept share)
         assert torch.allclose(shift, -log_kept, atol=1e-5)
 
 
+def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ban alone: gathers and TRL's own normaliser; full logits only for the positions whose banned share may be
+    most of the mass (the subtraction would lose float32's digits there), and then exact."""
+    from vllm import SamplingParams
+
+    states, layer = output_layer(5000, 3.0)
+    with torch.no_grad():
+        layer.weight[7] = states[:8].mean(0) * 4  # token 7 takes most of the mass at the first positions
+    logits = states @ layer.weight.T
+    projected: list[int] = []
+    full = layer.logits
+    monkeypatch.setattr(layer, "logits", lambda hidden: projected.append(hidden.size(0)) or full(hidden))
+    bans = {"logit_bias": {7: -math.inf, 11: -math.inf}}
+    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **bans))
+    distribution = read_distribution(bans, None)
+    assert isinstance(distribution, SamplingDistribution)
+    ids = torch.tensor(tokens)
+    trl_logps = trl_log_probs(logits, ids)
+    shift, log_kept = processed.score(states, ids, layer, distribution, 1.0).finish(trl_logps)
+    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+    banned_share = torch.softmax(logits.double(), -1)[:, [7, 11]].sum(-1)
+    assert 0 < sum(projected) < 64 and sum(projected) >= int((banned_share > 0.5).sum())
+    exact = torch.log1p(-banned_share).float()  # in float64: at a share of 0.99999 float32 has no digits left
+    assert torch.allclose(log_kept, exact, atol=1e-4, rtol=1e-5)
+
+
 def test_chunks_give_what_one_pass_gives_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.manual_seed(1)
-    logits, ids = torch.randn(3, 40, 997) * 2, torch.randint(0, 997, (3, 40))
+    states, layer = output_layer(997, 2.0)
+    ids = torch.randint(0, 997, (64,))
     distribution = SamplingDistribution(temperature=1.0, top_k=20, top_p=0.9, banned=(3, 9))
-    whole = processed.processed_shift(logits, ids, distribution, 1.0)
+    trl_logps = trl_log_probs(states @ layer.weight.T, ids)
+    whole = processed.score(states, ids, layer, distribution, 1.0).finish(trl_logps)
     seen: list[int] = []
-    chunk = processed._chunk
+    logits = layer.logits
     monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 10 * 997)
-    monkeypatch.setattr(processed, "_chunk", lambda raw, *a: seen.append(raw.numel()) or chunk(raw, *a))
-    parts = processed.processed_shift(logits, ids, distribution, 1.0)
-    assert max(seen) <= 10 * 997 and len(seen) == 12
+    monkeypatch.setattr(layer, "logits", lambda hidden: seen.append(hidden.size(0) * 997) or logits(hidden))
+    parts = processed.score(states, ids, layer, distribution, 1.0).finish(trl_logps)
+    assert max(seen) <= 10 * 997 and len(seen) == 7  # 64 positions, 10 per chunk
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, parts, strict=True))
 
 

@@ -22,11 +22,19 @@ from trl_vlm_fixes import metrics
 # per rank, per logging interval: (owner, counter, amount) counted before the log
 COUNTS: dict[int, list[list[tuple[str, str, Any]]]] = {
     0: [
-        [("trainer", metrics.REALIGNED_ROWS, torch.tensor(3)), ("generation", metrics.WEIGHT_REPUSHES, 1)],
+        [
+            ("trainer", metrics.REALIGNED_ROWS, torch.tensor(3)),
+            ("generation", metrics.WEIGHT_REPUSHES, 1),
+            ("trainer", metrics.SAMPLING_KEPT_MASS, (torch.tensor(9.0), torch.tensor(10))),  # 10 tokens, 0.9 each
+        ],
         [],  # this rank counts nothing in the second interval, the other does
     ],
     1: [
-        [("trainer", metrics.REALIGNED_ROWS, torch.tensor(5)), ("trainer", metrics.VISION_TOKEN_ROWS_MASKED, 2)],
+        [
+            ("trainer", metrics.REALIGNED_ROWS, torch.tensor(5)),
+            ("trainer", metrics.VISION_TOKEN_ROWS_MASKED, 2),
+            ("trainer", metrics.SAMPLING_KEPT_MASS, (15.0, 30)),  # 30 tokens, 0.5 each
+        ],
         [("generation", metrics.PROMPT_MISMATCH_ROWS, 0), ("generation", metrics.WEIGHT_REPUSHES, 4)],
     ],
 }
@@ -46,7 +54,11 @@ def main() -> int:
     logged = []
     for interval in COUNTS[rank]:
         for owner, name, amount in interval:
-            metrics.count(trainer if owner == "trainer" else trainer.vllm_generation, name, amount)
+            holder = trainer if owner == "trainer" else trainer.vllm_generation
+            if name in metrics.MEANS:
+                metrics.count_mean(holder, name, *amount)
+            else:
+                metrics.count(holder, name, amount)
         metrics.flush_into_trainer_log(lambda: None, trainer, (), {})
         logged.append({name: values for name, values in trainer._metrics["train"].items()})
         trainer._metrics["train"].clear()  # as TRL's log does after reading them

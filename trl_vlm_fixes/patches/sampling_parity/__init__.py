@@ -158,69 +158,94 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         return wrapped(*args, **kwargs)
     rollout.scored = True
     distribution = rollout.distribution()
-    if isinstance(distribution, str):
-        _step_aside(type(instance).__name__, distribution, logging.WARNING)
+    parts = distribution if isinstance(distribution, str) else _model_parts(model)
+    if isinstance(parts, str):
+        _step_aside(type(instance).__name__, parts, logging.WARNING)
         return wrapped(*args, **kwargs)
+    assert isinstance(distribution, SamplingDistribution)
     trainer_temperature = float(getattr(instance, "temperature", 1.0))
     if not distribution.changes_anything and distribution.temperature == trainer_temperature:
         result = wrapped(*args, **kwargs)  # vLLM sampled the full distribution: nothing to shift, all of it kept
-        logps = result[0]
-        shift, log_kept = torch.zeros_like(logps, dtype=torch.float32), torch.zeros_like(logps, dtype=torch.float32)
+        shift = log_kept = torch.zeros_like(result[0], dtype=torch.float32)
     else:
-        logits_to_keep = int(bound.arguments.get("logits_to_keep") or 0)
-        with _shift_from_logits(model, logits_to_keep, distribution, trainer_temperature) as shifts:
+        backbone, layer = parts
+        keep = int(bound.arguments.get("logits_to_keep") or 0)
+        with _scored_positions(backbone, layer, keep, distribution, trainer_temperature) as scored:
             result = wrapped(*args, **kwargs)
-        logps = result[0]
-        shift, log_kept = shifts.joined()
-    if shift is None or shift.shape != logps.shape:
-        reason = "the scoring pass did not give one logit row per scored token"
-        _step_aside(type(instance).__name__, reason, logging.WARNING)
-        return result
+        if len(scored) == 0 or sum(part.processed.numel() for part in scored) != result[0].numel():
+            reason = "the scoring pass did not give one hidden state per scored token"
+            _step_aside(type(instance).__name__, reason, logging.WARNING)
+            return result
+        shift, log_kept = _finished(scored, result[0])
+    logps = result[0]
     _announce(distribution)
     rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
     rollout.processed_logps = logps.to(torch.float32) + shift
     return (rollout.processed_logps, *result[1:])
 
 
-class _Shifts:
-    def __init__(self) -> None:
-        self.shift: list[Any] = []
-        self.log_kept: list[Any] = []
+def _model_parts(model: Any) -> tuple[Any, Any] | str:
+    """(the backbone whose last hidden states the output layer projects, the output layer), or why they cannot be
+    used: the output layer must be whole on this rank and a plain projection (no logit scale or softcap)."""
+    from .processed import OutputLayer
 
-    def joined(self) -> tuple[Any, Any]:
-        import torch
-
-        if not self.shift:
-            return None, None
-        return torch.cat(self.shift, dim=0), torch.cat(self.log_kept, dim=0)
+    inner = model
+    while hasattr(inner, "module"):  # DDP, DeepSpeed
+        inner = inner.module
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    backbone = getattr(inner, "base_model", None)
+    weight = getattr(head, "weight", None)
+    if head is None or backbone is None or backbone is inner or weight is None:
+        return f"{type(inner).__name__} has no output layer over a backbone to read"
+    if weight.dim() != 2 or type(weight).__name__ == "DTensor" or getattr(weight, "ds_numel", None) is not None:
+        return "the output layer is sharded across ranks (FSDP or DeepSpeed ZeRO-3)"
+    text = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
+        if getattr(text, name, None) not in (None, 1.0):
+            return f"the model scales its logits ({name})"
+    return backbone, OutputLayer(weight, getattr(head, "bias", None))
 
 
 @contextmanager
-def _shift_from_logits(
-    model: Any, logits_to_keep: int, distribution: SamplingDistribution, trainer_temperature: float
-) -> Iterator[_Shifts]:
-    """While TRL's pass runs, each forward of ``model`` (one per TRL batch chunk) also gives the shift of the scored
-    tokens, from the same logits TRL reads (a forward hook: TRL's tensors are only read)."""
-    from .processed import processed_shift
+def _scored_positions(
+    backbone: Any, layer: Any, keep: int, distribution: SamplingDistribution, trainer_temperature: float
+) -> Iterator[list[Any]]:
+    """While TRL's pass runs, each backbone forward (one per TRL chunk) also scores its last ``keep`` tokens with the
+    hidden states that predict them (a forward hook: TRL's tensors are only read)."""
+    from .processed import score
 
-    shifts = _Shifts()
+    scored: list[Any] = []
 
     def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = getattr(output, "logits", None)
-        if input_ids is None or logits is None:
+        hidden = getattr(output, "last_hidden_state", None)
+        if input_ids is None or hidden is None:
             return
-        kept = logits_to_keep or input_ids.size(1) - 1
-        scored = logits[:, :-1, :][:, -kept:, :]  # as TRL slices them
-        shift, log_kept = processed_shift(scored, input_ids[:, -kept:], distribution, trainer_temperature)
-        shifts.shift.append(shift)
-        shifts.log_kept.append(log_kept)
+        kept = keep or input_ids.size(1) - 1
+        predicting = hidden[:, -(kept + 1) : -1, :]  # position j predicts token j + 1, as TRL scores them
+        scored.append(score(predicting, input_ids[:, -kept:], layer, distribution, trainer_temperature))
 
-    handle = model.register_forward_hook(hook, with_kwargs=True)
+    handle = backbone.register_forward_hook(hook, with_kwargs=True)
     try:
-        yield shifts
+        yield scored
     finally:
         handle.remove()
+
+
+def _finished(scored: list[Any], trl_logps: Any) -> tuple[Any, Any]:
+    import torch
+
+    rows = trl_logps.reshape(-1)
+    shifts, kept, start = [], [], 0
+    for part in scored:
+        end = start + part.processed.numel()
+        shift, log_kept = part.finish(rows[start:end])
+        shifts.append(shift)
+        kept.append(log_kept)
+        start = end
+    return torch.cat(shifts).reshape(trl_logps.shape), torch.cat(kept).reshape(trl_logps.shape)
 
 
 def _hand_on(trainer: Any, rollout: _Rollout, output: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """Tensor core of sampling_parity: the trainer's log-probability of each sampled token under vLLM's processed
-distribution, from the logits of the scoring pass TRL already runs.
+distribution, from the hidden states of the scoring pass TRL already runs and the model's own output layer.
 
 vLLM's sampler (0.25.1, ``processed_logprobs``) returns log p(t) over the tokens its settings keep:
 ``allowed_token_ids`` and bans set the others to -inf, ``logit_bias`` is added, the temperature divides, then
@@ -13,103 +13,154 @@ three thresholds:
   those whose cumulative mass is at most 1 - p, always keeping the largest): found among the largest candidates
   (``torch.topk``), with a full sort only for a row whose boundary lies beyond them.
 
-A ban alone needs no threshold: the kept share is 1 minus the banned tokens' share (no sort). The sampled token is
-always kept (a numerical difference can put it just outside the trainer's own cut). Everything runs without gradient,
-over chunks of positions, so no second tensor of the logits' full size ([tokens x vocab]) is ever held.
+The logits come from the hidden states that predict each scored token times the output layer (TRL 1.16 never
+materializes them: its fused head scores in tiles), in chunks of positions and without gradient, so no tensor of the
+full [tokens x vocabulary] size is ever held. A ban alone (at TRL's own temperature) needs no logits at all: the
+banned tokens' logits and the sampled one's are gathered, the normaliser is TRL's own (its log-prob of the sampled
+token), and the kept share is 1 minus the banned share, a subtraction; only a position where the banned share may be
+most of the mass (where that subtraction would lose float32's digits) gets its logits to sum the kept tokens
+directly. The sampled token is always kept (a numerical difference can put it just outside the trainer's own cut).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .distribution import SamplingDistribution
 
-CHUNK_ELEMENTS = 1 << 24  # float32 values per chunk (64 MiB): positions per chunk = this // vocab
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32): positions per chunk = this // vocabulary
 TOP_P_CANDIDATES = 64  # largest logits looked at first for the top-p boundary
+DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens are summed directly
+
+
+class OutputLayer:
+    """The trainer's output projection, applied to chosen hidden states only (the scoring pass's own weights)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def vocabulary(self) -> int:
+        return int(self.weight.size(0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocabulary] float32 (the projection runs in the weight's dtype, as the model's own does)."""
+        logits = hidden.to(self.weight.dtype) @ self.weight.T
+        if self.bias is not None:
+            logits = logits + self.bias
+        return logits.to(torch.float32)
+
+    def columns(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """[rows, k] float32: the logits of ``token_ids`` [k] at every row."""
+        rows = self.weight[token_ids].to(torch.float32)
+        logits = hidden.to(torch.float32) @ rows.T
+        if self.bias is not None:
+            logits = logits + self.bias[token_ids].to(torch.float32)
+        return logits
+
+    def sampled(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[rows] float32: each row's logit of its own token ``ids`` [rows]."""
+        logits = (hidden.to(torch.float32) * self.weight[ids].to(torch.float32)).sum(dim=-1)
+        if self.bias is not None:
+            logits = logits + self.bias[ids].to(torch.float32)
+        return logits
+
+
+@dataclass
+class Scored:
+    """One chunk of scored positions. ``processed`` (the trainer's log-prob of the sampled token under vLLM's
+    distribution) and ``log_kept`` (log of the share of the trainer's distribution the settings keep, at the sampling
+    temperature) are NaN where they follow from TRL's own log-prob (``finish``): the ban's subtraction."""
+
+    processed: torch.Tensor
+    log_kept: torch.Tensor
+    sampled_logit: torch.Tensor  # the sampled token's logit at the sampling temperature
+    banned_lse: torch.Tensor  # logsumexp of the banned tokens' logits but the sampled one, at the sampling temperature
+
+    def finish(self, trl_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, log_kept) [rows]: TRL's log-prob + shift = the processed log-prob."""
+        trl = trl_logps.to(torch.float32).reshape(-1)
+        lse = self.sampled_logit - trl  # TRL's normaliser (the ban path runs at TRL's own temperature)
+        log_kept_ban = torch.log1p(-torch.exp(self.banned_lse - lse).clamp(max=1.0))
+        pending = torch.isnan(self.processed)
+        processed = torch.where(pending, trl - log_kept_ban, self.processed)
+        log_kept = torch.where(pending, log_kept_ban, self.log_kept)
+        return processed - trl, log_kept
 
 
 @torch.no_grad()
-def processed_shift(
-    logits: torch.Tensor, token_ids: torch.Tensor, distribution: SamplingDistribution, trainer_temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits [..., vocab] (raw, any dtype) and the sampled ids [...]: (shift, log_kept), float32 [...].
-
-    ``shift`` = log p_processed(t) - log p_full(t), the first at the sampling temperature after vLLM's settings, the
-    second at ``trainer_temperature`` over the full vocabulary (what TRL's scoring computes), so that TRL's log-prob +
-    shift is the trainer's log-prob of the distribution vLLM sampled from. ``log_kept`` = log of the share of the
-    trainer's distribution (at the sampling temperature, before any bias) that the settings keep.
-    """
-    vocab = logits.size(-1)
-    flat = logits.reshape(-1, vocab)
-    ids = token_ids.reshape(-1, 1).to(device=logits.device, dtype=torch.long)
-    shift = torch.empty(flat.size(0), dtype=torch.float32, device=logits.device)
-    log_kept = torch.empty_like(shift)
-    rows = max(1, CHUNK_ELEMENTS // vocab)
+def score(
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    layer: OutputLayer,
+    distribution: SamplingDistribution,
+    trainer_temperature: float,
+) -> Scored:
+    """For the hidden states [..., H] that predict the sampled ids [...]: one ``Scored`` over all positions."""
+    flat = hidden.reshape(-1, hidden.size(-1))
+    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    parts = []
+    rows = max(1, CHUNK_ELEMENTS // layer.vocabulary)
     for start in range(0, flat.size(0), rows):
         end = min(start + rows, flat.size(0))
-        chunk = _chunk(flat[start:end], ids[start:end], distribution, trainer_temperature)
-        shift[start:end], log_kept[start:end] = chunk
-    return shift.reshape(token_ids.shape), log_kept.reshape(token_ids.shape)
+        parts.append(_score_chunk(flat[start:end], ids[start:end], layer, distribution, trainer_temperature))
+    return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
 
 
-def _chunk(
-    raw: torch.Tensor, ids: torch.Tensor, distribution: SamplingDistribution, trainer_temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -> bool:
+    plain = not (distribution.truncates or distribution.biases or distribution.allowed is not None)
+    return plain and distribution.temperature == trainer_temperature
+
+
+def _score_chunk(
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    layer: OutputLayer,
+    distribution: SamplingDistribution,
+    trainer_temperature: float,
+) -> Scored:
+    rows = hidden.size(0)
+    nan = torch.full((rows,), math.nan, device=hidden.device)
     temperature = distribution.temperature
-    z = raw.to(dtype=torch.float32, copy=True)  # the only [chunk x vocab] copy; TRL's logits are never written
-    if trainer_temperature != temperature:
-        full = z / trainer_temperature
-        full_t = (full.gather(1, ids) - torch.logsumexp(full, dim=-1, keepdim=True)).squeeze(1)
-        del full
-    y = z.div_(temperature)  # the model's distribution at the sampling temperature, before any setting
-    plain_lse = torch.logsumexp(y, dim=-1, keepdim=True)
-    if trainer_temperature == temperature:
-        full_t = (y.gather(1, ids) - plain_lse).squeeze(1)
-    if not (distribution.truncates or distribution.biases or distribution.allowed is not None):
-        log_kept = _kept_share_after_bans(y, ids, plain_lse, distribution.banned)
-        processed_t = y.gather(1, ids).squeeze(1) - (plain_lse.squeeze(1) + log_kept)
-        return processed_t - full_t, log_kept
-    return _processed_general(y, raw, ids, plain_lse, distribution, full_t)
-
-
-def _kept_share_after_bans(
-    y: torch.Tensor, ids: torch.Tensor, plain_lse: torch.Tensor, banned: tuple[int, ...]
-) -> torch.Tensor:
-    """log(1 - share of the banned tokens other than the sampled one): a subtraction, no sort. Where the banned share
-    is most of the mass the subtraction would cancel away float32's digits: those rows sum the kept tokens directly."""
-    if not banned:
-        return torch.zeros(y.size(0), dtype=torch.float32, device=y.device)
-    banned_ids = torch.tensor(banned, device=y.device)
-    values = y.index_select(1, banned_ids)
-    sampled_banned = banned_ids.unsqueeze(0) == ids
-    values.masked_fill_(sampled_banned, -math.inf)  # the sampled token is kept
-    banned_share = torch.exp(torch.logsumexp(values, dim=-1, keepdim=True) - plain_lse).squeeze(1)
-    log_kept = torch.log1p(-banned_share.clamp(max=1.0))
-    dominant = (banned_share > 0.5).nonzero().squeeze(1)
+    if not _ban_alone(distribution, trainer_temperature):
+        processed, log_kept = _processed_general(layer.logits(hidden), ids, distribution)
+        return Scored(processed, log_kept, nan.clone(), nan.clone())
+    sampled = layer.sampled(hidden, ids) / temperature
+    if not distribution.banned:
+        zeros = torch.zeros(rows, device=hidden.device)
+        return Scored(nan.clone(), nan.clone(), sampled, zeros - math.inf)
+    banned_ids = torch.tensor(distribution.banned, device=hidden.device)
+    banned = layer.columns(hidden, banned_ids) / temperature
+    banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
+    banned_lse = torch.logsumexp(banned, dim=-1)
+    # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
+    share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
+    processed, log_kept = nan.clone(), nan.clone()
+    dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
     if dominant.numel():
-        rows = y[dominant]
-        out = torch.zeros_like(rows, dtype=torch.bool)
-        out[:, banned_ids] = ~sampled_banned[dominant]
-        kept_lse = torch.logsumexp(rows.masked_fill(out, -math.inf), dim=-1)
-        log_kept[dominant] = kept_lse - plain_lse[dominant].squeeze(1)
-    return log_kept
+        exact = _processed_general(layer.logits(hidden[dominant]), ids[dominant], distribution)
+        processed[dominant], log_kept[dominant] = exact
+    return Scored(processed, log_kept, sampled, banned_lse)
 
 
 def _processed_general(
-    y: torch.Tensor,
-    raw: torch.Tensor,
-    ids: torch.Tensor,
-    plain_lse: torch.Tensor,
-    distribution: SamplingDistribution,
-    full_t: torch.Tensor,
+    logits: torch.Tensor, ids: torch.Tensor, distribution: SamplingDistribution
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bans, biases, allowed ids and the three cuts, as vLLM applies them, on ``y`` (overwritten)."""
+    """(processed log-prob of each row's token, log kept share) from raw logits [rows, vocab], as vLLM applies its
+    settings: allowed ids, bans, biases, temperature, then the three cuts. ``logits`` is overwritten."""
+    ids = ids.unsqueeze(1)
+    y = logits.div_(distribution.temperature)  # the model's distribution at the sampling temperature
+    plain_lse = torch.logsumexp(y, dim=-1)
+    plain_sampled = y.gather(1, ids).squeeze(1)
     if distribution.allowed is not None:
         outside = torch.ones(y.size(1), dtype=torch.bool, device=y.device)
         outside[torch.tensor(distribution.allowed, device=y.device)] = False
         y.masked_fill_(outside, -math.inf)
+    bias_ids = None
     if distribution.biases:
         bias_ids = torch.tensor([token for token, _ in distribution.biases], device=y.device)
         bias = torch.tensor([value for _, value in distribution.biases], device=y.device) / distribution.temperature
@@ -117,18 +168,16 @@ def _processed_general(
     sampled = y.gather(1, ids)  # its value before bans and cuts: "always kept" restores it
     if distribution.banned:
         y.index_fill_(1, torch.tensor(distribution.banned, device=y.device), -math.inf)
-    threshold = _threshold(y, distribution)
-    y.masked_fill_(y < threshold, -math.inf)
+    y.masked_fill_(y < _threshold(y, distribution), -math.inf)
     y.scatter_(1, ids, sampled)
-    kept_lse = torch.logsumexp(y, dim=-1)
-    processed_t = sampled.squeeze(1) - kept_lse
-    if distribution.biases:  # the kept share is measured on the unbiased distribution
-        plain = raw.to(torch.float32) / distribution.temperature
-        kept_plain = torch.logsumexp(plain.masked_fill(y == -math.inf, -math.inf), dim=-1)
-        log_kept = kept_plain - plain_lse.squeeze(1)
-    else:
-        log_kept = kept_lse - plain_lse.squeeze(1)
-    return processed_t - full_t, log_kept
+    processed = sampled.squeeze(1) - torch.logsumexp(y, dim=-1)
+    # the kept share, measured on the distribution without biases: undo them on the kept tokens
+    if bias_ids is not None:
+        kept = y > -math.inf
+        y.index_add_(1, bias_ids, -bias.expand(y.size(0), -1))
+        y.masked_fill_(~kept, -math.inf)
+        y.scatter_(1, ids, plain_sampled.unsqueeze(1))
+    return processed, torch.logsumexp(y, dim=-1) - plain_lse
 
 
 def _threshold(y: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
@@ -153,8 +202,9 @@ def _top_p_threshold(y: torch.Tensor, threshold: torch.Tensor, distribution: Sam
     unresolved = (~resolved).nonzero().squeeze(1)
     if unresolved.numel():  # the boundary lies beyond the candidates: sort those rows in full
         full = torch.sort(y[unresolved], dim=-1, descending=True).values
-        boundary[unresolved] = _top_p_boundary(full, threshold[unresolved], survivors_lse[unresolved],
-                                               distribution.top_p)[0]
+        boundary[unresolved] = _top_p_boundary(
+            full, threshold[unresolved], survivors_lse[unresolved], distribution.top_p
+        )[0]
     return boundary
 
 
