@@ -1,14 +1,15 @@
 """sampling_parity's cost beside the scoring pass it joins, at Qwen3.5's vocabulary (248,320), measured in one run.
 
     python benchmarks/sampling_parity_cost.py [--hidden 1024] [--layers 8] [--rows 4] [--completion 256]
-The fix adds no forward pass: in the no-gradient scoring pass that gives TRL's ``old_per_token_logps`` it reads the
-same logits once more and computes, per sampled token, its log-prob under vLLM's processed distribution
-(``patches/sampling_parity/processed.py``): for a ban alone a subtraction of the banned tokens' mass (no sort); with
-truncation the trainer's own min-p/top-k/top-p over the vocabulary. That work is timed here against the pass itself
-(the model's forward over prompt + completion and TRL's ``selective_log_softmax``), on the CPU, with a random Qwen3.5
-text stack of the given size (3:1 Gated-DeltaNet/full attention, the real vocabulary). Both scale with the number of
-scored tokens; the pass also with the model's size, so a larger model makes the ratio smaller.
-Goal: a ban costs under 1% of the pass; truncation a few percent at most.
+The fix adds no forward pass: in the no-gradient scoring pass that gives TRL's ``old_per_token_logps`` it takes the
+hidden states that predict each scored token and computes its log-prob under vLLM's processed distribution
+(``patches/sampling_parity/processed.py``): for a ban alone, the banned tokens' logits and the sampled one's
+(gathers) and TRL's own normaliser, a subtraction; with truncation the trainer's own min-p/top-k/top-p over the
+vocabulary, projecting chunks of positions through the output layer again (TRL 1.16's fused head never keeps the
+logits; TRL 1.9.1's are not kept either by the time the log-probs are known). That work is timed here against the
+pass itself (the model's forward over prompt + completion and TRL's ``selective_log_softmax``), on the CPU, with a
+random Qwen3.5 text stack of the given size (3:1 Gated-DeltaNet/full attention, the real vocabulary). Both scale
+with the number of scored tokens; the pass also with the model's size, so a larger model makes the ratio smaller.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> None:
     from trl.trainer.utils import selective_log_softmax
 
     from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution
-    from trl_vlm_fixes.patches.sampling_parity.processed import processed_shift
+    from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions, score
 
     torch.manual_seed(0)
     heads = max(2, args.hidden // 128)
@@ -66,32 +67,44 @@ def main() -> None:
     model = Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # logits of a few units: a peaked distribution, as a trained model's
-    ids = torch.randint(0, 1000, (args.rows, args.prompt + args.completion))
+    prompt = torch.randint(0, 1000, (args.rows, args.prompt))
     keep = args.completion
+    # completions sampled from the model's own distribution, as vLLM's would be (the ban's cost depends on it)
+    ids = model.generate(
+        prompt, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=keep, min_new_tokens=keep, pad_token_id=0
+    )
 
-    def scoring_pass() -> Any:  # what TRL's _get_per_token_logps_and_entropies does for one chunk
+    def scoring_pass() -> Any:  # what TRL 1.9.1's _get_per_token_logps_and_entropies does for one chunk
         with torch.no_grad():
             logits = model(input_ids=ids, logits_to_keep=keep + 1, use_cache=False).logits[:, :-1, :]
             return logits, selective_log_softmax(logits, ids[:, -keep:])
 
     seconds_pass = best_of(scoring_pass)
-    logits, _ = scoring_pass()
+    logits, trl_logps = scoring_pass()
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, -(keep + 1) : -1]
+    layer = OutputLayer(model.lm_head.weight)
     completion = ids[:, -keep:]
+    banned = tuple(range(248_000, 248_008))
     cases = {
-        "ban (8 placeholders)": SamplingDistribution(temperature=1.0, banned=tuple(range(248_000, 248_008))),
-        "top_k=20, top_p=0.95 + ban": SamplingDistribution(
-            temperature=1.0, top_k=20, top_p=0.95, banned=tuple(range(248_000, 248_008))
-        ),
+        "ban (8 placeholders)": SamplingDistribution(temperature=1.0, banned=banned),
+        "top_k=20, top_p=0.95 + ban": SamplingDistribution(temperature=1.0, top_k=20, top_p=0.95, banned=banned),
         "top_p=0.95 alone": SamplingDistribution(temperature=1.0, top_p=0.95),
         "min_p=0.05": SamplingDistribution(temperature=1.0, min_p=0.05),
     }
     tokens = args.rows * keep
-    print(f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
-          f"vocabulary {VOCABULARY:,}: {seconds_pass * 1e3:.0f} ms")
+    print(
+        f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
+        f"vocabulary {VOCABULARY:,}: {seconds_pass * 1e3:.0f} ms"
+    )
+    print(f"  {'settings':<28} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
     for name, distribution in cases.items():
-        seconds = best_of(lambda d=distribution: processed_shift(logits, completion, d, 1.0))
-        print(f"  {name:<28} {seconds * 1e3:8.1f} ms  {seconds / seconds_pass:7.2%} of the pass"
-              f"  ({seconds / tokens * 1e6:.1f} us per scored token)")
+        cells = []
+        for source in (logits, None):
+            positions = Positions(hidden, layer, source)
+            seconds = best_of(lambda p=positions, d=distribution: score(p, completion, d, 1.0).finish(trl_logps))
+            cells.append(f"{seconds * 1e3:7.1f} ms {seconds / seconds_pass:7.2%} {seconds / tokens * 1e6:6.1f} us/t")
+        print(f"  {name:<28} {cells[0]:>30} {cells[1]:>34}")
 
 
 if __name__ == "__main__":

@@ -168,9 +168,8 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         result = wrapped(*args, **kwargs)  # vLLM sampled the full distribution: nothing to shift, all of it kept
         shift = log_kept = torch.zeros_like(result[0], dtype=torch.float32)
     else:
-        backbone, layer = parts
         keep = int(bound.arguments.get("logits_to_keep") or 0)
-        with _scored_positions(backbone, layer, keep, distribution, trainer_temperature) as scored:
+        with _scored_positions(*parts, keep, distribution, trainer_temperature) as scored:
             result = wrapped(*args, **kwargs)
         if len(scored) == 0 or sum(part.processed.numel() for part in scored) != result[0].numel():
             reason = "the scoring pass did not give one hidden state per scored token"
@@ -184,9 +183,10 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return (rollout.processed_logps, *result[1:])
 
 
-def _model_parts(model: Any) -> tuple[Any, Any] | str:
-    """(the backbone whose last hidden states the output layer projects, the output layer), or why they cannot be
-    used: the output layer must be whole on this rank and a plain projection (no logit scale or softcap)."""
+def _model_parts(model: Any) -> tuple[Any, Any, Any] | str:
+    """(the backbone whose last hidden states the output layer projects, the output layer module, its projection),
+    or why they cannot be used: the output layer must be whole on this rank and a plain projection (no logit scale
+    or softcap)."""
     from .processed import OutputLayer
 
     inner = model
@@ -205,33 +205,46 @@ def _model_parts(model: Any) -> tuple[Any, Any] | str:
     for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
         if getattr(text, name, None) not in (None, 1.0):
             return f"the model scales its logits ({name})"
-    return backbone, OutputLayer(weight, getattr(head, "bias", None))
+    return backbone, head, OutputLayer(weight, getattr(head, "bias", None))
 
 
 @contextmanager
 def _scored_positions(
-    backbone: Any, layer: Any, keep: int, distribution: SamplingDistribution, trainer_temperature: float
+    backbone: Any, head: Any, layer: Any, keep: int, distribution: SamplingDistribution, trainer_temperature: float
 ) -> Iterator[list[Any]]:
-    """While TRL's pass runs, each backbone forward (one per TRL chunk) also scores its last ``keep`` tokens with the
-    hidden states that predict them (a forward hook: TRL's tensors are only read)."""
-    from .processed import score
+    """While TRL's pass runs, each of its model calls (one per TRL chunk) also scores its last ``keep`` tokens: the
+    backbone's forward hook takes the hidden states that predict them; where the output layer then runs (TRL 1.9.1),
+    its hook scores them from its logits before TRL divides those in place, else (TRL 1.16's fused head) they are
+    scored from the hidden states right after the call. TRL's tensors are only read."""
+    from .processed import Positions, score
 
     scored: list[Any] = []
+    waiting: list[tuple[Any, Any, int]] = []  # (hidden states, sampled ids, kept) of the call in progress
 
-    def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+    def on_backbone(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         hidden = getattr(output, "last_hidden_state", None)
         if input_ids is None or hidden is None:
             return
         kept = keep or input_ids.size(1) - 1
-        predicting = hidden[:, -(kept + 1) : -1, :]  # position j predicts token j + 1, as TRL scores them
-        scored.append(score(predicting, input_ids[:, -kept:], layer, distribution, trainer_temperature))
+        waiting.append((hidden[:, -(kept + 1) : -1, :], input_ids[:, -kept:], kept))  # position j predicts j + 1
 
-    handle = backbone.register_forward_hook(hook, with_kwargs=True)
+    def on_head(module: Any, args: Any, output: Any) -> None:
+        if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
+            hidden, ids, kept = waiting.pop()
+            positions = Positions(hidden, layer, output[:, -(kept + 1) : -1, :])
+            scored.append(score(positions, ids, distribution, trainer_temperature))
+
+    handles = [backbone.register_forward_hook(on_backbone, with_kwargs=True)]
+    handles.append(head.register_forward_hook(on_head))
     try:
         yield scored
+        while waiting:  # the output layer never ran on them (a fused head): project the hidden states
+            hidden, ids, _ = waiting.pop(0)
+            scored.append(score(Positions(hidden, layer), ids, distribution, trainer_temperature))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _finished(scored: list[Any], trl_logps: Any) -> tuple[Any, Any]:

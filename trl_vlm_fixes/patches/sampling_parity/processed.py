@@ -11,15 +11,16 @@ three thresholds:
 - top-k keeps the k largest (ties included);
 - top-p keeps a token while the mass of the kept tokens ranked above it is below p (vLLM sorts ascending and drops
   those whose cumulative mass is at most 1 - p, always keeping the largest): found among the largest candidates
-  (``torch.topk``), with a full sort only for a row whose boundary lies beyond them.
+  (``torch.topk`` of 64, then of 2,048), with a full sort only for a row whose boundary lies beyond them.
 
-The logits come from the hidden states that predict each scored token times the output layer (TRL 1.16 never
-materializes them: its fused head scores in tiles), in chunks of positions and without gradient, so no tensor of the
-full [tokens x vocabulary] size is ever held. A ban alone (at TRL's own temperature) needs no logits at all: the
-banned tokens' logits and the sampled one's are gathered, the normaliser is TRL's own (its log-prob of the sampled
-token), and the kept share is 1 minus the banned share, a subtraction; only a position where the banned share may be
-most of the mass (where that subtraction would lose float32's digits) gets its logits to sum the kept tokens
-directly. The sampled token is always kept (a numerical difference can put it just outside the trainer's own cut).
+The logits are read, a chunk of positions at a time and without gradient, from the model's own where its output
+layer ran (TRL 1.9.1) or projected from the hidden states that predict each scored token (TRL 1.16's fused head never
+materializes them), so no second tensor of the full [tokens x vocabulary] size is ever held. A ban alone (at TRL's
+own temperature) needs no pass over the vocabulary: the banned tokens' logits and the sampled one's are gathered,
+the normaliser is TRL's own (its log-prob of the sampled token), and the kept share is 1 minus the banned share, a
+subtraction; only a position where the banned share may be most of the mass (where that subtraction would lose
+float32's digits) gets its logits to sum the kept tokens directly. The sampled token is always kept (a numerical
+difference can put it just outside the trainer's own cut).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from .distribution import SamplingDistribution
 
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32): positions per chunk = this // vocabulary
-TOP_P_CANDIDATES = 64  # largest logits looked at first for the top-p boundary
+TOP_P_CANDIDATES = (64, 2048)  # largest logits looked at for the top-p boundary, before a full sort
 DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens are summed directly
 
 
@@ -54,20 +55,48 @@ class OutputLayer:
             logits = logits + self.bias
         return logits.to(torch.float32)
 
-    def columns(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """[rows, k] float32: the logits of ``token_ids`` [k] at every row."""
-        rows = self.weight[token_ids].to(torch.float32)
-        logits = hidden.to(torch.float32) @ rows.T
-        if self.bias is not None:
-            logits = logits + self.bias[token_ids].to(torch.float32)
-        return logits
 
-    def sampled(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """[rows] float32: each row's logit of its own token ``ids`` [rows]."""
-        logits = (hidden.to(torch.float32) * self.weight[ids].to(torch.float32)).sum(dim=-1)
-        if self.bias is not None:
-            logits = logits + self.bias[ids].to(torch.float32)
-        return logits
+class Positions:
+    """The logits of the scored positions: read from the model's own where its output layer ran (TRL 1.9.1), else
+    projected from the hidden states that predict them (TRL 1.16's fused head keeps none), a chunk at a time."""
+
+    def __init__(self, hidden: torch.Tensor, layer: OutputLayer, logits: torch.Tensor | None = None) -> None:
+        self.hidden = hidden.reshape(-1, hidden.size(-1))
+        self.layer = layer
+        self.raw = logits.reshape(-1, logits.size(-1)) if logits is not None else None
+
+    def __len__(self) -> int:
+        return self.hidden.size(0)
+
+    def view(self, index: slice) -> torch.Tensor:
+        """[rows, vocabulary] in the model's dtype, to be read only (TRL's own logits, or a fresh projection)."""
+        if self.raw is not None:
+            return self.raw[index]
+        logits = self.hidden[index].to(self.layer.weight.dtype) @ self.layer.weight.T
+        return logits if self.layer.bias is None else logits + self.layer.bias
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """[rows, vocabulary] float32, a copy the caller may overwrite."""
+        if self.raw is not None:
+            return self.raw[index].to(torch.float32, copy=True)
+        return self.layer.logits(self.hidden[index])
+
+    def columns(self, index: slice, token_ids: torch.Tensor) -> torch.Tensor:
+        """[rows, k] float32: the logits of ``token_ids`` [k] at the rows ``index`` (never a row in full)."""
+        if self.raw is not None:
+            return self.raw[index].index_select(1, token_ids).to(torch.float32)
+        logits = self.hidden[index].to(torch.float32) @ self.layer.weight[token_ids].to(torch.float32).T
+        bias = self.layer.bias
+        return logits if bias is None else logits + bias[token_ids].to(torch.float32)
+
+    def sampled(self, index: slice, ids: torch.Tensor) -> torch.Tensor:
+        """[rows] float32: each row's logit of its own token ``ids``."""
+        if self.raw is not None:
+            return self.raw[index].gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32)
+        rows = self.layer.weight[ids].to(torch.float32)
+        logits = (self.hidden[index].to(torch.float32) * rows).sum(dim=-1)
+        bias = self.layer.bias
+        return logits if bias is None else logits + bias[ids].to(torch.float32)
 
 
 @dataclass
@@ -94,20 +123,15 @@ class Scored:
 
 @torch.no_grad()
 def score(
-    hidden: torch.Tensor,
-    token_ids: torch.Tensor,
-    layer: OutputLayer,
-    distribution: SamplingDistribution,
-    trainer_temperature: float,
+    positions: Positions, token_ids: torch.Tensor, distribution: SamplingDistribution, trainer_temperature: float
 ) -> Scored:
-    """For the hidden states [..., H] that predict the sampled ids [...]: one ``Scored`` over all positions."""
-    flat = hidden.reshape(-1, hidden.size(-1))
-    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
+    ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
     parts = []
-    rows = max(1, CHUNK_ELEMENTS // layer.vocabulary)
-    for start in range(0, flat.size(0), rows):
-        end = min(start + rows, flat.size(0))
-        parts.append(_score_chunk(flat[start:end], ids[start:end], layer, distribution, trainer_temperature))
+    rows = max(1, CHUNK_ELEMENTS // positions.layer.vocabulary)
+    for start in range(0, len(positions), rows):
+        index = slice(start, min(start + rows, len(positions)))
+        parts.append(_score_chunk(positions, index, ids[index], distribution, trainer_temperature))
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
 
 
@@ -117,24 +141,26 @@ def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -
 
 
 def _score_chunk(
-    hidden: torch.Tensor,
+    positions: Positions,
+    index: slice,
     ids: torch.Tensor,
-    layer: OutputLayer,
     distribution: SamplingDistribution,
     trainer_temperature: float,
 ) -> Scored:
-    rows = hidden.size(0)
-    nan = torch.full((rows,), math.nan, device=hidden.device)
+    rows = ids.numel()
+    nan = torch.full((rows,), math.nan, device=ids.device)
     temperature = distribution.temperature
     if not _ban_alone(distribution, trainer_temperature):
-        processed, log_kept = _processed_general(layer.logits(hidden), ids, distribution)
+        if distribution.biases or distribution.allowed is not None:
+            processed, log_kept = _processed_general(positions.rows(index), ids, distribution)
+        else:
+            processed, log_kept = _cuts(positions, index, ids, distribution)
         return Scored(processed, log_kept, nan.clone(), nan.clone())
-    sampled = layer.sampled(hidden, ids) / temperature
+    sampled = positions.sampled(index, ids) / temperature
     if not distribution.banned:
-        zeros = torch.zeros(rows, device=hidden.device)
-        return Scored(nan.clone(), nan.clone(), sampled, zeros - math.inf)
-    banned_ids = torch.tensor(distribution.banned, device=hidden.device)
-    banned = layer.columns(hidden, banned_ids) / temperature
+        return Scored(nan.clone(), nan.clone(), sampled, torch.full_like(sampled, -math.inf))
+    banned_ids = torch.tensor(distribution.banned, device=ids.device)
+    banned = positions.columns(index, banned_ids) / temperature
     banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
     banned_lse = torch.logsumexp(banned, dim=-1)
     # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
@@ -142,9 +168,77 @@ def _score_chunk(
     processed, log_kept = nan.clone(), nan.clone()
     dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
     if dominant.numel():
-        exact = _processed_general(layer.logits(hidden[dominant]), ids[dominant], distribution)
+        start = index.start or 0
+        exact = _processed_general(positions.rows(dominant + start), ids[dominant], distribution)
         processed[dominant], log_kept[dominant] = exact
     return Scored(processed, log_kept, sampled, banned_lse)
+
+
+def _cuts(
+    positions: Positions, index: slice, ids: torch.Tensor, distribution: SamplingDistribution
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bans and the three cuts without a sort or a copy of the logits: the kept tokens are found among the largest
+    (``torch.topk``), the normaliser of the full distribution is one logsumexp. A row whose kept set reaches beyond
+    the candidates goes through ``_processed_general``."""
+    raw = positions.view(index)
+    temperature = distribution.temperature
+    plain_lse = _logsumexp_float(raw, temperature)
+    sampled = raw.gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32) / temperature
+    banned = torch.tensor(distribution.banned, dtype=torch.long, device=ids.device)
+    count = min(raw.size(1), max(TOP_P_CANDIDATES[0], distribution.top_k) + banned.numel())
+    values, tokens = torch.topk(raw, count, dim=-1)
+    values = values.to(torch.float32) / temperature
+    if banned.numel():
+        values.masked_fill_(torch.isin(tokens, banned), -math.inf)
+        values = values.sort(dim=-1, descending=True).values
+        banned_values = raw.index_select(1, banned).to(torch.float32) / temperature
+        survivors_lse = _log_sub_exp(plain_lse, torch.logsumexp(banned_values, dim=-1))  # all but the banned
+    else:
+        survivors_lse = plain_lse
+    threshold = torch.full((raw.size(0),), -math.inf, device=raw.device)
+    if distribution.min_p > 0:
+        threshold = torch.maximum(threshold, values[:, 0] + math.log(distribution.min_p))
+    if 0 < distribution.top_k < raw.size(1):
+        threshold = torch.maximum(threshold, values[:, distribution.top_k - 1])
+    # the tokens above the threshold are all candidates when the last candidate is below it
+    inside = values[:, -1] < threshold
+    if distribution.top_p < 1.0:
+        lse = torch.where(
+            inside, torch.logsumexp(values.masked_fill(values < threshold[:, None], -math.inf), -1), survivors_lse
+        )
+        boundary, resolved = _top_p_boundary(values, threshold[:, None], lse[:, None], distribution.top_p)
+        threshold = torch.maximum(threshold, boundary.squeeze(1))
+        inside = resolved & (values[:, -1] < threshold)
+    kept_values = values.masked_fill(values < threshold[:, None], -math.inf)
+    left_out = sampled < threshold  # the sampled token is always kept
+    kept_lse = torch.logsumexp(kept_values, dim=-1)
+    kept_lse = torch.where(left_out, torch.logaddexp(kept_lse, sampled), kept_lse)
+    processed, log_kept = sampled - kept_lse, kept_lse - plain_lse
+    outside = (~inside).nonzero().squeeze(1)
+    if outside.numel():  # the kept set reaches beyond the candidates: the full computation for those rows
+        start = index.start or 0
+        processed[outside], log_kept[outside] = _processed_general(
+            positions.rows(outside + start), ids[outside], distribution
+        )
+    return processed, log_kept
+
+
+def _logsumexp_float(raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logsumexp over the vocabulary in float32, a few rows at a time (no float32 copy of a whole chunk)."""
+    if raw.dtype == torch.float32 and temperature == 1.0:
+        return torch.logsumexp(raw, dim=-1)
+    step = max(1, raw.size(0) // 8)
+    return torch.cat(
+        [
+            torch.logsumexp(raw[i : i + step].to(torch.float32) / temperature, dim=-1)
+            for i in range(0, raw.size(0), step)
+        ]
+    )
+
+
+def _log_sub_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """log(exp(a) - exp(b)) for a > b."""
+    return a + torch.log1p(-torch.exp(b - a).clamp(max=1.0))
 
 
 def _processed_general(
@@ -196,15 +290,18 @@ def _threshold(y: torch.Tensor, distribution: SamplingDistribution) -> torch.Ten
 def _top_p_threshold(y: torch.Tensor, threshold: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
     """The smallest logit top-p keeps among the tokens at or above ``threshold``."""
     survivors_lse = torch.logsumexp(y.masked_fill(y < threshold, -math.inf), dim=-1, keepdim=True)
-    candidates = min(y.size(1), max(TOP_P_CANDIDATES, distribution.top_k))
-    values = torch.topk(y, candidates, dim=-1).values  # descending
-    boundary, resolved = _top_p_boundary(values, threshold, survivors_lse, distribution.top_p)
-    unresolved = (~resolved).nonzero().squeeze(1)
-    if unresolved.numel():  # the boundary lies beyond the candidates: sort those rows in full
-        full = torch.sort(y[unresolved], dim=-1, descending=True).values
-        boundary[unresolved] = _top_p_boundary(
-            full, threshold[unresolved], survivors_lse[unresolved], distribution.top_p
-        )[0]
+    boundary = torch.empty_like(threshold)
+    rows = torch.arange(y.size(0), device=y.device)
+    for candidates in TOP_P_CANDIDATES:
+        count = min(y.size(1), max(candidates, distribution.top_k))
+        values = torch.topk(y[rows], count, dim=-1).values  # descending
+        found, resolved = _top_p_boundary(values, threshold[rows], survivors_lse[rows], distribution.top_p)
+        boundary[rows[resolved]] = found[resolved]
+        rows = rows[~resolved]
+        if not rows.numel():
+            return boundary
+    full = torch.sort(y[rows], dim=-1, descending=True).values  # the boundary lies beyond every candidate
+    boundary[rows] = _top_p_boundary(full, threshold[rows], survivors_lse[rows], distribution.top_p)[0]
     return boundary
 
 
