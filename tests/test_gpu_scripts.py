@@ -30,6 +30,8 @@ def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
         "2",
         "--variants",
         "on,reload_skip_off,off,prompt_parity_off",
+        "--hidden",
+        "64",  # the script's logic, not a size: the stand-in decodes with the model on the CPU
     ]
     result = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -52,6 +54,8 @@ def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
     else:
         assert _stale(reload_off["rollouts"]) == 0
 
-    assert not off["trained"] and "shape mismatch" in off["error"]  # the mixed batch crashes upstream
+    # upstream the step crashes: the mixed batch (mm_realign) or a sampled placeholder (vision_token_guard), whichever
+    # the random policy reaches first
+    assert not off["trained"] and ("shape mismatch" in off["error"] or "do not match" in off["error"]), off["error"]
     assert off["engine_cudagraph_mode"] == "default"
     assert "on current" in result.stdout  # the table is printed

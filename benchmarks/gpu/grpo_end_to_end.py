@@ -119,8 +119,6 @@ def build_trainer(model_dir: Path, output_dir: str, steps: int, stand_in: bool) 
         bf16=on_gpu,
         use_cpu=not on_gpu,
         model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"},
-        # the stand-in cannot report the model's own log-probabilities: its importance ratios would mask everything
-        vllm_importance_sampling_correction=not stand_in,
         # no ban of its own on vision placeholder tokens: the plugin's vision_token_guard does it
     )
     return GRPOTrainer(
