@@ -2,7 +2,9 @@
 
 Nothing is downloaded: a byte-level vocabulary with the Qwen special tokens, a 2-layer text model and a 1-block vision
 tower. ``qwen3_5`` (the default) has one Gated-DeltaNet linear-attention layer and one full-attention layer;
-``qwen3_vl`` and ``qwen2_5_vl`` are the other Qwen VLM families whose processors return ``mm_token_type_ids``.
+``qwen3_vl`` and ``qwen2_5_vl`` are the other Qwen VLM families whose processors return ``mm_token_type_ids``;
+``qwen3_5_moe`` and ``qwen3_vl_moe`` their mixture-of-experts siblings (4 experts, 2 per token; Qwen3.5 MoE with a
+shared expert), with transformers 5's fused expert tensors (``experts.gate_up_proj``, ``experts.down_proj``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,16 @@ FAMILIES = {
     "qwen2_5_vl": FamilyClasses(
         "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"
     ),
+    # the mixture-of-experts siblings: the same processor, markers and rope index as their dense families
+    "qwen3_5_moe": FamilyClasses(
+        "Qwen3VLProcessor", "Qwen3VLVideoProcessor", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"
+    ),
+    "qwen3_vl_moe": FamilyClasses(
+        "Qwen3VLProcessor", "Qwen3VLVideoProcessor", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"
+    ),
 }
+# a few small experts: every expert tensor, the router and (Qwen3.5 MoE) the shared expert exist, as at full size
+TINY_MOE_SHAPE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
 def build_processor(family: str = "qwen3_5") -> Any:
@@ -140,7 +151,7 @@ def build_config(
         "temporal_patch_size": 2,
         "out_hidden_size": 32,
     }
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         text_config.update(
             layer_types=["linear_attention", "full_attention"],
             linear_conv_kernel_dim=4,
@@ -150,7 +161,7 @@ def build_config(
             linear_num_value_heads=2,
         )
         vision_config["num_position_embeddings"] = 64
-    elif family == "qwen3_vl":
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                           "mrope_interleaved": True}
         vision_config.update(num_position_embeddings=64, deepstack_visual_indexes=[])
@@ -159,6 +170,10 @@ def build_config(
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         text_config["bos_token_id"] = token_ids["<|endoftext|>"]
         vision_config.update(window_size=112, fullatt_block_indexes=[0])
+    if family.endswith("_moe"):
+        text_config.update(TINY_MOE_SHAPE)
+        if family == "qwen3_5_moe":
+            text_config["shared_expert_intermediate_size"] = 16
     return getattr(transformers, FAMILIES[family].config)(
         text_config={**text_config, **(text or {})},
         vision_config={**vision_config, **(vision or {})},
