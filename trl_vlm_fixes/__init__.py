@@ -39,17 +39,22 @@ REGISTRY: Registry = globals().get("REGISTRY") or Registry(
 )
 
 
-def apply() -> None:
-    """Turn on every fix allowed by the environment switches; a second call changes nothing."""
+def apply(**fixes: bool | dict[str, Any]) -> None:
+    """Turn on every fix the environment switches allow; a second call changes nothing.
+
+    Explicit choices win over the environment, as ddtrace's ``patch(**modules)``: ``apply(watchdog=False)`` turns one
+    fix off, ``apply(cudagraph={"mode": "NONE"})`` sets a fix's setting (the names are in README's switch table).
+    Every switch and setting is read now; a bad value raises at once, naming it."""
     selected_mode()  # a bad TRL_VLM_FIXES_CUDAGRAPH_MODE fails at once, not when the engine is built
     selected_backend()  # likewise TRL_VLM_FIXES_GDN_PREFILL_BACKEND
     selected_limit()  # TRL_VLM_FIXES_WATCHDOG, read here once: generates use this limit until the next apply()
-    REGISTRY.apply()
+    REGISTRY.apply(fixes)
 
 
-def revert() -> None:
-    """Restore TRL's original methods exactly; ``apply()`` puts the fixes back."""
-    REGISTRY.revert()
+def revert(*names: str) -> None:
+    """Restore TRL's original methods exactly (of the named fixes only, if any are named; the others stay applied);
+    ``apply()`` puts them back."""
+    REGISTRY.revert(names or None)
 
 
 def status() -> dict[str, Any]:

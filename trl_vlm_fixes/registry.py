@@ -2,30 +2,41 @@
 
 Modelled on ddtrace's ``_monkey`` and OpenTelemetry's instrumentors: post-import hooks make import order irrelevant,
 each wrapper sits on the class that defines the method (so subclasses inherit it), and revert puts back the exact
-original objects. A hook never breaks the user's import unless strict mode asked for that.
+original objects. A hook never breaks the user's import unless strict mode asked for that. Every switch and setting a
+fix declares is read once, at ``apply()`` (explicit choices given to ``apply`` win over the environment).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import wrapt
 
-from .switches import fix_enabled, fix_switch, strict_mode, validate_environment
+from .declaration import TRAINERS, Fix, Target, TargetCheck, WrapperFunction, on_trainers
+from .logs import fix_logger
+from .switches import master_switch, own_switch, strict_mode, validate_environment
 from .versions import version_drift
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+__all__ = [
+    "TRAINERS",
+    "Fix",
+    "FixNotApplicableError",
+    "Registry",
+    "Target",
+    "TargetCheck",
+    "WrapperFunction",
+    "on_trainers",
+]
+LOGGER = fix_logger(__name__)
 
-WrapperFunction = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
-TargetCheck = Callable[[Callable[..., Any]], "str | None"]
+Choice = bool | Mapping[str, Any]
 
 
 class FixNotApplicableError(RuntimeError):
@@ -35,66 +46,25 @@ class FixNotApplicableError(RuntimeError):
 _registries: list[Registry] = []
 
 
+def active() -> Registry:
+    """The process's registry (``trl_vlm_fixes.REGISTRY``)."""
+    return _registries[-1]
+
+
+def value(fix_name: str, key: str) -> Any:
+    """A fix's setting as read at the last ``apply()``."""
+    return active().value(fix_name, key)
+
+
 def report_runtime_state(fix_name: str, target_key: str, state: str, detail: str) -> None:
     """A wrapper found at run time that its fix did not act (e.g. nothing reached ``LLM(...)``): status says so."""
     for registry in _registries:
         registry.set_state(fix_name, target_key, state, detail)
 
 
-def _no_problem(function: Callable[..., Any]) -> str | None:
-    return None
-
-
-@dataclass(frozen=True)
-class Target:
-    """One method to wrap: ``qualname`` is ``Class.method`` inside ``module``."""
-
-    module: str
-    qualname: str
-    wrapper: WrapperFunction
-    required_parameters: tuple[str, ...] = ()
-    # Returns why the method no longer has the shape the wrapper relies on, or None.
-    shape_problem: TargetCheck = _no_problem
-    # Returns why upstream already solved the bug (the fix then steps aside), or None.
-    upstream_fixed: TargetCheck = _no_problem
-    # Experimental modules may be absent from other TRL releases: their absence is not a skip.
-    optional: bool = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.module}:{self.qualname}"
-
-
-# The trainers whose VLM rollouts the fixes serve: (module, class)
-TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
-
-
-def on_trainers(wrappers: dict[str, WrapperFunction], **options: Any) -> tuple[Target, ...]:
-    """The same wrappers (method name -> wrapper) on every class of ``TRAINERS``, in that order."""
-    return tuple(
-        Target(module, f"{cls}.{method}", wrapper, **options)
-        for module, cls in TRAINERS
-        for method, wrapper in wrappers.items()
-    )
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One fix as every module of ``patches/`` declares it: ``FIX = Fix(name, summary, packages, targets)``."""
-
-    name: str
-    summary: str
-    packages: tuple[str, ...]  # whose validated versions the fix was proven on (a drift warns)
-    targets: tuple[Target, ...]
-
-    @property
-    def switch(self) -> str:
-        return fix_switch(self.name)
-
-
 @dataclass
 class _Patched:
-    owner: type
+    owner: Any  # the class, or the module of a module-level function
     attribute: str
     original: Any
     wrapper: Any
@@ -104,14 +74,19 @@ class _Patched:
 class _FixRecord:
     enabled: bool = False
     targets: dict[str, tuple[str, str]] = field(default_factory=dict)  # target key -> (state, detail)
+    values: dict[str, Any] = field(default_factory=dict)  # setting key -> value read at apply()
+    chosen: set[str] = field(default_factory=set)  # setting keys given by the API or the environment
+    scope: tuple[str, str] | None = None  # (trainer, why the fix steps aside for it) of the last trainer built
+    reverted_alone: bool = False  # revert(name): off until apply() names it again
 
 
 class Registry:
-    """Holds the fixes, their per-target state, and the originals needed for an exact revert."""
+    """Holds the fixes, their per-target state and settings, and the originals needed for an exact revert."""
 
     def __init__(self, fixes: tuple[Fix, ...], support: tuple[Target, ...] = ()) -> None:
         self.fixes = {fix.name: fix for fix in fixes}
-        # Support targets (the metrics flush) serve every fix: wrapped while any fix is enabled, never reported.
+        # Support targets (the metrics flush, the trainer-start line) serve every fix: wrapped while any fix is
+        # enabled, never reported.
         self.support = support
         self._records = {fix.name: _FixRecord() for fix in fixes}
         self._patched: dict[str, _Patched] = {}
@@ -119,55 +94,70 @@ class Registry:
         self._active = False
         self._reverted = False
         self._strict = False
+        self._choices: dict[str, Choice] = {}  # what apply() was given, kept for the next apply()
         self._lock = threading.RLock()
         self._warned: set[tuple[str, str]] = set()  # (fix, reason) already warned by _skip
         _registries.append(self)
 
     # ------------------------------------------------------------------ public
-    def apply(self) -> None:
-        """Enable every switched-on fix; idempotent. Bad switch values raise SwitchValueError at once."""
+    def apply(self, choices: Mapping[str, Choice] | None = None) -> None:
+        """Enable every fix the environment (or ``choices``, which win) allows, reading every setting now; a second
+        call with no new choice changes nothing. A bad value raises at once, naming it."""
         with self._lock:
-            validate_environment(list(self.fixes))
+            if choices:
+                self._check_choices(choices)
+                if self._active:
+                    self._unpatch_all()
+                    self._active = False
+                self._choices.update(choices)
+                for name in choices:
+                    self._records[name].reverted_alone = False
+            validate_environment([name for name, fix in self.fixes.items() if fix.switch_setting is None])
             if self._active:
                 return
+            self._read_settings()
             self._strict = strict_mode()
             self._active = True
             self._reverted = False
             for fix in self.fixes.values():
                 record = self._records[fix.name]
-                record.enabled = fix_enabled(fix.name)
                 record.targets = {
                     target.key: ("pending", f"waits for `import {target.module}`") for target in fix.targets
                 }
                 if record.enabled:
                     self._warn_version_drift(fix)
-            modules = {t.module for f in self.fixes.values() for t in f.targets} | {t.module for t in self.support}
-            for module_name in sorted(modules):
-                if module_name in self._hooked_modules:
-                    if module_name in sys.modules:
-                        self._on_import(sys.modules[module_name])
-                else:
-                    self._hooked_modules.add(module_name)
-                    wrapt.register_post_import_hook(self._on_import, module_name)
-            LOGGER.info("trl_vlm_fixes: %s", self.summary())
+            self._hook_modules()
+            LOGGER.info("%s", self.summary())
 
-    def revert(self) -> None:
-        """Put back the exact original attributes; nothing of ours stays on any class."""
+    def revert(self, names: Iterable[str] | None = None) -> None:
+        """Put back the exact original attributes of every fix (or of the named ones: the others stay applied)."""
         with self._lock:
-            for key, patched in reversed(list(self._patched.items())):  # last wrapped is outermost
-                current = vars(patched.owner).get(patched.attribute)
-                if current is patched.wrapper:
-                    setattr(patched.owner, patched.attribute, patched.original)
-                else:
-                    LOGGER.warning(
-                        "trl_vlm_fixes: %s.%s was replaced by someone else after we wrapped it; leaving it alone.",
-                        patched.owner.__name__,
-                        patched.attribute,
-                    )
-                del self._patched[key]
-            self._active = False
-            self._reverted = True
-            LOGGER.info("trl_vlm_fixes: all fixes reverted")
+            if names is None:
+                self._unpatch_all()
+                self._active = False
+                self._reverted = True
+                LOGGER.info("all fixes reverted")
+                return
+            names = list(names)
+            unknown = [name for name in names if name not in self.fixes]
+            if unknown:
+                raise ValueError(f"no fix named {unknown}; the fixes are {', '.join(self.fixes)}")
+            for name in names:
+                self._records[name].reverted_alone = True
+            if self._active:  # the wrappers of one method are layered: unwrap all, wrap the others again
+                self._unpatch_all()
+                self._active = False
+                self.apply()
+
+    def value(self, fix_name: str, key: str) -> Any:
+        record = self._records[fix_name]
+        if key not in record.values:  # before any apply(): read now (the module-level accessors may be called early)
+            self._read_fix_settings(self.fixes[fix_name])
+        return record.values[key]
+
+    def chosen(self, fix_name: str, key: str) -> bool:
+        """Was this setting given (API or environment) rather than left at its default?"""
+        return key in self._records[fix_name].chosen
 
     def import_targets(self) -> None:
         """Import every target module so that the states become final (used by the CLI and the self-test)."""
@@ -184,14 +174,28 @@ class Registry:
                     if self._active and self._records[fix.name].enabled:
                         self._skip(fix, target, f"cannot import {target.module}: {error!r}")
 
+    def record_scope(self, trainer: Any) -> None:
+        """A GRPO/RLOO trainer was built: each applied fix records whether it acts for it (its declared scope)."""
+        with self._lock:
+            for fix in self.fixes.values():
+                try:
+                    reason = fix.scope(trainer)
+                except Exception as error:  # noqa: BLE001 - a report must never break building a trainer
+                    reason = f"its scope could not be read ({error!r})"
+                self._records[fix.name].scope = (type(trainer).__name__, reason) if reason else None
+
     def fix_state(self, name: str) -> tuple[str, str]:
         """(state, detail) of one fix, aggregated over its targets."""
         fix = self.fixes[name]
         record = self._records[name]
+        if record.reverted_alone:
+            again = f"trl_vlm_fixes.apply({name}=True) puts it back"
+            return "disabled", f"reverted by trl_vlm_fixes.revert({name!r}); {again}"
         if self._reverted and not self._active:
             return "disabled", "reverted by trl_vlm_fixes.revert(); trl_vlm_fixes.apply() puts it back"
         if not record.enabled:
-            return "disabled", f"turned off by the environment ({fix.switch} or TRL_VLM_FIXES)"
+            how = "trl_vlm_fixes.apply()" if name in self._choices else "the environment"
+            return "disabled", f"turned off by {how} ({fix.switch} or TRL_VLM_FIXES)"
         states = {key: value for key, value in record.targets.items() if value[0] != "absent"}
         by_state: dict[str, list[str]] = {}
         for state, detail in states.values():
@@ -199,6 +203,9 @@ class Registry:
         if "skipped" in by_state:
             return "skipped", "; ".join(by_state["skipped"])
         if "applied" in by_state:  # where a target steps aside (trl vllm-serve on TRL >= 1.11), the detail says so
+            if record.scope is not None:
+                trainer, reason = record.scope
+                return "stepped-aside", f"wrapped, but it steps aside for {trainer}: {reason}"
             details = by_state["applied"] + by_state.get("not-needed", []) + by_state.get("pending", [])
             return "applied", "; ".join(details)
         if "not-needed" in by_state:
@@ -208,14 +215,90 @@ class Registry:
     def summary(self) -> str:
         return ", ".join(f"{name}={self.fix_state(name)[0]}" for name in self.fixes)
 
+    def set_state(self, fix_name: str, target_key: str, state: str, detail: str) -> None:
+        with self._lock:
+            record = self._records.get(fix_name)
+            if record is not None and target_key in record.targets and self._active:
+                record.targets[target_key] = (state, detail)
+
+    # ----------------------------------------------------------------- settings
+    def _check_choices(self, choices: Mapping[str, Choice]) -> None:
+        for name, choice in choices.items():
+            if name not in self.fixes:
+                raise ValueError(
+                    f"trl_vlm_fixes.apply({name}=...): no fix of that name; the fixes are {', '.join(self.fixes)}"
+                )
+            if isinstance(choice, Mapping):
+                keys = {setting.key for setting in self._all_settings(self.fixes[name])}
+                unknown = sorted(set(choice) - keys)
+                if unknown:
+                    raise ValueError(
+                        f"trl_vlm_fixes.apply({name}={dict(choice)!r}): {name} has no setting {unknown}; its settings "
+                        f"are {sorted(keys) or 'none'} (or pass True/False)"
+                    )
+            elif not isinstance(choice, bool):
+                raise ValueError(f"trl_vlm_fixes.apply({name}={choice!r}): pass True, False or a dict of settings")
+
+    @staticmethod
+    def _all_settings(fix: Fix) -> tuple[Any, ...]:
+        return (*fix.settings, *((fix.switch_setting,) if fix.switch_setting is not None else ()))
+
+    def _read_settings(self) -> None:
+        """Every fix's switch and settings, read now: a bad value raises before anything is wrapped."""
+        for fix in self.fixes.values():
+            self._read_fix_settings(fix)
+
+    def _read_fix_settings(self, fix: Fix) -> None:
+        record = self._records[fix.name]
+        choice = self._choices.get(fix.name)
+        given = choice if isinstance(choice, Mapping) else {}
+        values, chosen = {}, set()
+        for setting in self._all_settings(fix):
+            values[setting.key], was_chosen = setting.read(given.get(setting.key))
+            if was_chosen:
+                chosen.add(setting.key)
+        record.values, record.chosen = values, chosen
+        if isinstance(choice, bool):  # the API wins over every switch, the master switch included
+            enabled = choice
+        elif isinstance(choice, Mapping):  # settings given: the fix is wanted (unless its own switch value says off)
+            switch = fix.switch_setting
+            enabled = bool(values[switch.key]) if switch is not None and switch.key in choice else True
+        else:
+            own = bool(values[fix.switch_setting.key]) if fix.switch_setting is not None else own_switch(fix.name)
+            enabled = own and master_switch()
+        record.enabled = enabled and not record.reverted_alone
+
     # ----------------------------------------------------------------- internals
+    def _hook_modules(self) -> None:
+        modules = {t.module for f in self.fixes.values() for t in f.targets} | {t.module for t in self.support}
+        for module_name in sorted(modules):
+            if module_name in self._hooked_modules:
+                if module_name in sys.modules:
+                    self._on_import(sys.modules[module_name])
+            else:
+                self._hooked_modules.add(module_name)
+                wrapt.register_post_import_hook(self._on_import, module_name)
+
+    def _unpatch_all(self) -> None:
+        for key, patched in reversed(list(self._patched.items())):  # last wrapped is outermost
+            current = vars(patched.owner).get(patched.attribute)
+            if current is patched.wrapper:
+                setattr(patched.owner, patched.attribute, patched.original)
+            else:
+                LOGGER.warning(
+                    "%s.%s was replaced by someone else after we wrapped it; leaving it alone.",
+                    patched.owner.__name__,
+                    patched.attribute,
+                )
+            del self._patched[key]
+
     def _warn_version_drift(self, fix: Fix) -> None:
         drift = version_drift(fix.packages)
         if drift:
             found = ", ".join(f"{pkg} {installed} (validated: {validated})" for pkg, installed, validated in drift)
             LOGGER.warning(
-                "trl_vlm_fixes: fix %s was validated on other versions than installed: %s. It still applies if its "
-                "target has the expected shape; set %s=0 to turn it off.",
+                "fix %s was validated on other versions than installed: %s. It still applies if its target has the "
+                "expected shape; set %s=0 to turn it off.",
                 fix.name,
                 found,
                 fix.switch,
@@ -227,7 +310,7 @@ class Registry:
             with self._lock:
                 if not self._active:
                     return
-                for fix in self.fixes.values():
+                for fix in self.fixes.values():  # ALL_FIXES order: the first is wrapped first, so innermost
                     if not self._records[fix.name].enabled:
                         continue
                     for target in fix.targets:
@@ -240,7 +323,7 @@ class Registry:
         except FixNotApplicableError:
             raise
         except Exception as error:  # noqa: BLE001 - a hook must not break the user's import
-            LOGGER.warning("trl_vlm_fixes: internal error while patching %s: %r", module.__name__, error)
+            LOGGER.warning("internal error while patching %s: %r", module.__name__, error)
 
     def _patch_guarded(self, fix: Fix, target: Target, module: ModuleType) -> None:
         """One target's failure leaves it ``skipped`` and never stops the other fixes' targets in the module."""
@@ -254,33 +337,27 @@ class Registry:
     def _patch(self, fix: Fix | None, target: Target, module: ModuleType) -> None:
         """Wrap one target in place; ``fix`` None is a support target (metrics flush), never reported."""
         class_name, _, attribute = target.qualname.rpartition(".")
-        owner = getattr(module, class_name, None)
-        original = vars(owner).get(attribute) if isinstance(owner, type) else None
+        owner = getattr(module, class_name, None) if class_name else module
+        original = vars(owner).get(attribute) if isinstance(owner, type | ModuleType) else None
         problem = _target_problem(owner, class_name, original, target)
         if fix is None:
             if problem:
-                LOGGER.debug("trl_vlm_fixes: support target %s absent (%s); no fix metrics", target.key, problem)
+                LOGGER.debug("support target %s absent (%s); no fix metrics", target.key, problem)
                 return
         elif problem:
             self._skip(fix, target, problem)
             return
         elif reason := target.upstream_fixed(original):  # type: ignore[arg-type]  # checked: a callable
             self._set(fix, target, "not-needed", f"{target.qualname}: {reason}")
-            LOGGER.info("trl_vlm_fixes: %s steps aside for %s: %s", fix.name, target.qualname, reason)
+            LOGGER.info("%s steps aside for %s: %s", fix.name, target.qualname, reason)
             return
-        assert isinstance(owner, type) and original is not None  # _target_problem checked both
+        assert owner is not None and original is not None  # _target_problem checked both
         wrapper = wrapt.FunctionWrapper(original, target.wrapper)
         setattr(owner, attribute, wrapper)
         self._patched[_patch_key(fix.name if fix else "", target)] = _Patched(owner, attribute, original, wrapper)
         if fix is not None:
             self._set(fix, target, "applied", f"{target.qualname} wrapped")
-            LOGGER.debug("trl_vlm_fixes: %s wrapped %s", fix.name, target.key)
-
-    def set_state(self, fix_name: str, target_key: str, state: str, detail: str) -> None:
-        with self._lock:
-            record = self._records.get(fix_name)
-            if record is not None and target_key in record.targets and self._active:
-                record.targets[target_key] = (state, detail)
+            LOGGER.debug("%s wrapped %s", fix.name, target.key)
 
     def _set(self, fix: Fix, target: Target, state: str, detail: str) -> None:
         self._records[fix.name].targets[target.key] = (state, detail)
@@ -289,11 +366,11 @@ class Registry:
         """State ``skipped``; one WARNING per fix and reason (an engine fix meets one vLLM reason at every target)."""
         self._set(fix, target, "skipped", reason)
         message = (
-            f"trl_vlm_fixes: fix {fix.name} cannot be applied ({reason}); the run continues without it. "
+            f"fix {fix.name} cannot be applied ({reason}); the run continues without it. "
             f"Set {fix.switch}=0 to acknowledge, or pin the validated versions (trl==1.9.1, vllm==0.25.1)."
         )
         if self._strict:
-            raise FixNotApplicableError(message + " (raised because TRL_VLM_FIXES_STRICT=1)")
+            raise FixNotApplicableError(f"trl_vlm_fixes: {message} (raised because TRL_VLM_FIXES_STRICT=1)")
         cause = reason.removeprefix(f"{target.qualname}: ")
         if (fix.name, cause) not in self._warned:
             self._warned.add((fix.name, cause))
@@ -302,10 +379,11 @@ class Registry:
 
 def _target_problem(owner: Any, class_name: str, original: Any, target: Target) -> str | None:
     """Why ``target`` cannot be wrapped as declared (class or method gone, or not the shape it relies on)."""
-    if not isinstance(owner, type):
+    if class_name and not isinstance(owner, type):
         return f"{target.module}.{class_name} not found"
     if original is None:
-        return f"{target.qualname} is no longer defined on {class_name}"
+        where = class_name or target.module
+        return f"{target.qualname} is no longer defined on {where}"
     if not callable(original):
         return f"{target.qualname} is not a function"
     problem = _missing_parameters(original, target.required_parameters) or target.shape_problem(original)

@@ -1,0 +1,96 @@
+"""The shape of a fix: everything the rest of the plugin needs to know about it, declared in the fix's own module.
+
+The core (registry, switches, metrics, status, the trainer-start line, the self-test, the CLI) and the tests read these
+declarations; nothing lists fixes elsewhere. ``patches/__init__.py``'s ``ALL_FIXES`` is the one list, in the order
+the fixes are reported and wrapped (the first is innermost where several fixes wrap one method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .switches import Setting, fix_switch
+
+WrapperFunction = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+TargetCheck = Callable[[Callable[..., Any]], "str | None"]
+# The trainers whose VLM rollouts the fixes serve: (module, class)
+TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+
+
+def _no_problem(function: Callable[..., Any]) -> str | None:
+    return None
+
+
+def _everywhere(trainer: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One callable to wrap: ``Class.method`` (or a module-level ``function``) inside ``module``."""
+
+    module: str
+    qualname: str
+    wrapper: WrapperFunction
+    required_parameters: tuple[str, ...] = ()
+    # Returns why the method no longer has the shape the wrapper relies on, or None.
+    shape_problem: TargetCheck = _no_problem
+    # Returns why upstream already solved the bug (the fix then steps aside), or None.
+    upstream_fixed: TargetCheck = _no_problem
+    # Experimental modules may be absent from other TRL releases: their absence is not a skip.
+    optional: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Counter:
+    """A training metric a fix counts (``metrics.count``): summed over ranks at every log, or, as a ``mean``, its
+    sum and item count summed over ranks, then divided."""
+
+    name: str
+    kind: Literal["sum", "mean"] = "sum"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One fix, as its module declares it (``FIX = Fix(...)``, the module's last statement)."""
+
+    name: str
+    summary: str
+    packages: tuple[str, ...]  # whose validated versions the fix was proven on (a drift warns)
+    targets: tuple[Target, ...]
+    # values beyond on/off (validated at apply(), read with registry.value)
+    settings: tuple[Setting, ...] = ()
+    counters: tuple[Counter, ...] = ()
+    # the self-test check: context -> selftest.runner.CheckResult (harness imported inside, never at import)
+    selftest: Callable[[Any], Any] | None = None
+    # why the fix steps aside for this trainer (its model, mode, settings), or None: the trainer-start line and
+    # status say "stepped-aside" with the reason instead of "applied"
+    scope: Callable[[Any], str | None] = _everywhere
+    # its settings after a hang repeated at one step (the watchdog's protected restart): (key, value) pairs
+    protected: tuple[tuple[str, Any], ...] = ()
+    # a switch that is not on/off (the watchdog's seconds): the fix is on when its value is truthy
+    switch_setting: Setting | None = None
+
+    @property
+    def switch(self) -> str:
+        return fix_switch(self.name)
+
+
+def on_trainers(wrappers: dict[str, WrapperFunction], **options: Any) -> tuple[Target, ...]:
+    """The same wrappers (method name -> wrapper) on every class of ``TRAINERS``, in that order."""
+    return tuple(
+        Target(module, f"{cls}.{method}", wrapper, **options)
+        for module, cls in TRAINERS
+        for method, wrapper in wrappers.items()
+    )
+
+
+def is_rl_trainer(instance: Any) -> bool:
+    """A GRPOTrainer or RLOOTrainer (or a subclass of one): TRL's classes, by module and name, through the MRO."""
+    return any((cls.__module__, cls.__name__) in TRAINERS for cls in type(instance).__mro__)
