@@ -66,7 +66,7 @@ def test_selftest_fails_when_an_enabled_fix_does_not_work(
 def test_selftest_reads_the_engine_mode_through_vllms_own_config() -> None:
     """The cudagraph verdict comes from what vLLM's CompilationConfig makes of the engine's arguments."""
     pytest.importorskip("vllm")
-    from trl_vlm_fixes.selftest.runner import engine_cudagraph_mode
+    from trl_vlm_fixes.patches.cudagraph import engine_cudagraph_mode
 
     assert engine_cudagraph_mode(None) == "vLLM default (graphs on)"
     assert engine_cudagraph_mode({"cudagraph_mode": "NONE"}) == "NONE"

@@ -11,8 +11,8 @@ from typing import Any
 from . import trainer_start
 from .metrics import support_targets
 from .patches import ALL_FIXES
-from .patches.cudagraph import CudagraphModeError, selected_mode
-from .patches.gdn_prefill import GdnPrefillBackendError, selected_backend
+from .patches.cudagraph import CudagraphModeError
+from .patches.gdn_prefill import GdnPrefillBackendError
 from .patches.watchdog import selected_limit
 from .registry import FixNotApplicableError, Registry
 from .server_flags import advise_trl_server
@@ -45,10 +45,8 @@ def apply(**fixes: bool | dict[str, Any]) -> None:
     Explicit choices win over the environment, as ddtrace's ``patch(**modules)``: ``apply(watchdog=False)`` turns one
     fix off, ``apply(cudagraph={"mode": "NONE"})`` sets a fix's setting (the names are in README's switch table).
     Every switch and setting is read now; a bad value raises at once, naming it."""
-    selected_mode()  # a bad TRL_VLM_FIXES_CUDAGRAPH_MODE fails at once, not when the engine is built
-    selected_backend()  # likewise TRL_VLM_FIXES_GDN_PREFILL_BACKEND
-    selected_limit()  # TRL_VLM_FIXES_WATCHDOG, read here once: generates use this limit until the next apply()
     REGISTRY.apply(fixes)
+    selected_limit()  # TRL_VLM_FIXES_WATCHDOG, read here once: generates use this limit until the next apply()
 
 
 def revert(*names: str) -> None:

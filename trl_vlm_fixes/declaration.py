@@ -67,8 +67,9 @@ class Fix:
     # values beyond on/off (validated at apply(), read with registry.value)
     settings: tuple[Setting, ...] = ()
     counters: tuple[Counter, ...] = ()
-    # the self-test check: context -> selftest.runner.CheckResult (harness imported inside, never at import)
-    selftest: Callable[[Any], Any] | None = None
+    # the self-test check: (context, model family) -> selftest.runner.CheckResult (the harness is imported inside it,
+    # never at import)
+    selftest: Callable[[Any, str], Any] | None = None
     # why the fix steps aside for this trainer (its model, mode, settings), or None: the trainer-start line and
     # status say "stepped-aside" with the reason instead of "applied"
     scope: Callable[[Any], str | None] = _everywhere

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import logging
 import os
 import sys
 import types
@@ -31,10 +30,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from .registry import Target, WrapperFunction, report_runtime_state
+from . import protection
+from .declaration import Target, WrapperFunction
+from .logs import fix_logger
+from .registry import report_runtime_state
 from .source_shape import calls_name, function_tree
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
 
 
 @dataclass
@@ -43,14 +45,22 @@ class EngineBuild:
 
     caller: str
     model_config: Any
+    protected: bool = False  # the last run hung twice at one step: the fixes' protected settings, not the selected
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
     stepped_aside: list[str] = field(default_factory=list)  # fixes that leave this engine alone (no GDN layers)
 
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
 Contribution = Callable[[dict[str, Any], EngineBuild], None]
+# What the built engine really runs, read from its own config: (its setting as "name=value", warnings), or None where
+# the engine exposes no config to read (then nothing is claimed).
+ReadBack = Callable[[Any], "tuple[str, list[str]] | None"]
 # Which engines a contribution is proven for (today: models with Gated-DeltaNet layers); elsewhere it steps aside.
 Scope = Callable[[EngineBuild], bool]
+
+
+def _nothing_read(engine: Any) -> tuple[str, list[str]] | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class _Contribution:
     fix_name: str
     contribute: Contribution
     acts_on: Scope
+    read_back: ReadBack = _nothing_read
 
 
 @dataclass
@@ -104,12 +115,16 @@ def describe(build: EngineBuild) -> str:
     """One line: the settings chosen and their cost, and which fixes stepped aside and why."""
     parts = []
     if build.changes:
-        parts.append("with " + "; ".join(sorted(build.changes)))
+        protected = " (the protected settings: the last run hung twice at one step)" if build.protected else ""
+        parts.append("with " + "; ".join(sorted(build.changes)) + protected)
     if build.stepped_aside:
-        model = type(build.model_config).__name__ if build.model_config is not None else "an unreadable config"
         verb = "steps" if len(build.stepped_aside) == 1 else "step"
         names = " and ".join(sorted(build.stepped_aside))
-        aside = f"{names} {verb} aside: the served model ({model}) has no Gated-DeltaNet layers"
+        if build.model_config is None:
+            aside = f"{names} {verb} aside: the served model's config could not be read (its layers are unknown)"
+        else:
+            model = type(build.model_config).__name__
+            aside = f"{names} {verb} aside: the served model ({model}) has no Gated-DeltaNet layers"
         parts.append(("exactly as upstream: " if not build.changes else "") + aside)
     return "; ".join(parts) + "." if parts else "exactly as upstream."
 
@@ -122,35 +137,60 @@ def serves_gated_deltanet(build: EngineBuild) -> bool:
     return "linear_attention" in layer_types
 
 
-def _construct(builder: _Builder, trainer: Any, engine: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """Apply every pending contribution to ``kwargs``, say so in one line, then build the engine."""
+def _construct(
+    builder: _Builder, trainer: Any, target_key: str, engine: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Any:
+    """Apply every pending contribution to ``kwargs``, build the engine, then say in one line what vLLM built (read
+    back from the engine's own config, with a warning where a setting changes what a mode means)."""
     pending = _pending.get()
     assert pending is not None  # only called inside a wrapper, which set it
-    build = EngineBuild(builder.caller, served_model_config(trainer, kwargs))
+    build = EngineBuild(builder.caller, served_model_config(trainer, kwargs), protection.due())
+    acting = []
     for contribution in pending.contributions:
         if contribution.acts_on(build):
             contribution.contribute(kwargs, build)
+            acting.append(contribution)
         else:
             build.stepped_aside.append(contribution.fix_name)
     pending.applied = True
+    built = engine(*args, **kwargs)
+    readings = []
+    for contribution in acting:
+        reading = _read_back(contribution, built)
+        if reading is not None:
+            setting, warnings = reading
+            readings.append(setting)
+            report_runtime_state(contribution.fix_name, target_key, "applied", f"{builder.caller}: engine built with "
+                                 f"{setting} (read from its vllm_config)")
+            for warning in warnings:
+                LOGGER.warning("%s", warning)
     global last_engine_settings
-    last_engine_settings = describe(build)
+    last_engine_settings = describe(build) + (f" vLLM built: {', '.join(readings)}." if readings else "")
     # rank 0 says it (every rank builds one); a server worker or a process without an accelerator always does
     if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
-        LOGGER.warning("trl_vlm_fixes: %s builds the %s %s", builder.caller, builder.engine, last_engine_settings)
-    return engine(*args, **kwargs)
+        LOGGER.warning("%s built the %s %s", builder.caller, builder.engine, last_engine_settings)
+    return built
 
 
-def _intercept(builder: _Builder, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _read_back(contribution: _Contribution, engine: Any) -> tuple[str, list[str]] | None:
+    try:
+        return contribution.read_back(engine)
+    except Exception as error:  # noqa: BLE001 - a report must never break an engine that was built
+        return f"(could not be read: {error!r})", []
+
+
+def _intercept(
+    builder: _Builder, target_key: str, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Run TRL's builder (colocated) or vLLM's constructor (server) so that its ``LLM(...)`` gets the contributions."""
     if builder.server:
-        return _construct(builder, None, wrapped, *args, **kwargs)
+        return _construct(builder, None, target_key, wrapped, *args, **kwargs)
     function = wrapped.__func__
     namespace = dict(function.__globals__)
     engine = namespace.get("LLM")
     if engine is None:  # vLLM absent: TRL raises its own ImportError
         return wrapped(*args, **kwargs)
-    namespace["LLM"] = functools.partial(_construct, builder, instance, engine)
+    namespace["LLM"] = functools.partial(_construct, builder, instance, target_key, engine)
     private = types.FunctionType(
         function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
     )
@@ -203,7 +243,7 @@ def _wrapper(target_key: str, builder: _Builder, contribution: _Contribution) ->
         pending.contributions.append(contribution)
         try:
             if _is_own_function(wrapped):
-                result = _intercept(builder, wrapped, instance, args, kwargs)
+                result = _intercept(builder, target_key, wrapped, instance, args, kwargs)
             else:  # another engine fix's wrapper sits below ours: the innermost applies every contribution
                 result = wrapped(*args, **kwargs)
         finally:
@@ -223,7 +263,7 @@ def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
         f"{caller} built an engine without going through LLM(...) where the fix waits for it: nothing was injected. "
         "Upgrade trl_vlm_fixes or pin trl==1.9.1."
     )
-    LOGGER.warning("trl_vlm_fixes.%s: %s", fix_name, detail)
+    LOGGER.warning("%s: %s", fix_name, detail)
     report_runtime_state(fix_name, target_key, "skipped", detail)
 
 
@@ -247,7 +287,7 @@ def _server_builds_elsewhere() -> str | None:
     )
 
 
-def _builds_engine(function: Callable[..., Any]) -> str | None:
+def _engine_build_problem(function: Callable[..., Any]) -> str | None:
     tree = function_tree(function)
     if tree is None:
         return "source unavailable, cannot confirm that it builds vllm.LLM"
@@ -275,20 +315,21 @@ def engine_builder_targets(
     acts_on: Scope,
     arguments_problem: Callable[[], str | None],
     upstream_fixed: Callable[[], str | None] = _no_reason,
+    read_back: ReadBack = _nothing_read,
 ) -> tuple[Target, ...]:
     """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
     engine ``trl vllm-serve`` builds. ``contribute`` runs for the engines ``acts_on`` accepts; for the others the fix
     steps aside and the engine's log line says so. ``arguments_problem`` says why the installed vLLM would refuse the
     arguments (asked of vLLM's own classes when TRL's module is patched: the fix is then ``skipped``, the engine
     built as upstream); ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``)."""
-    contribution = _Contribution(fix_name, contribute, acts_on)
+    contribution = _Contribution(fix_name, contribute, acts_on, read_back)
 
     def refused_arguments() -> str | None:
         # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins
         return None if upstream_fixed() else arguments_problem()
 
     def builder_problem(function: Callable[..., Any]) -> str | None:
-        return _builds_engine(function) or refused_arguments()
+        return _engine_build_problem(function) or refused_arguments()
 
     def versions_fixed(function: Callable[..., Any]) -> str | None:
         return upstream_fixed()

@@ -7,48 +7,44 @@ process reports, so the log call adds every rank's counts up (one small all-redu
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .registry import Target, on_trainers
+from .declaration import Counter, Target, on_trainers
+from .owner_state import OwnerState
 
 PREFIX = "trl_vlm_fixes/"
-REALIGNED_ROWS = PREFIX + "mm_realigned_rows"
-WEIGHT_REPUSHES = PREFIX + "weight_repushes"
-DISK_RELOADS_SKIPPED = PREFIX + "disk_reloads_skipped"
-VISION_TOKEN_ROWS_MASKED = PREFIX + "vision_token_rows_masked"
-PROMPT_MISMATCH_ROWS = PREFIX + "prompt_mismatch_rows"
-SAMPLING_KEPT_MASS = PREFIX + "sampling_kept_mass"
-# the counters summed over ranks, in a fixed order: every rank reduces the same vector whatever it counted
-COUNTERS = (REALIGNED_ROWS, WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED, VISION_TOKEN_ROWS_MASKED, PROMPT_MISMATCH_ROWS)
-# metrics reported as a mean over every rank's items: a sum and a count, each summed over ranks, then divided
-MEANS = (SAMPLING_KEPT_MASS,)
-_COUNT = "/count"  # the item count kept beside a mean's sum until the log
+_COUNT = "/count"  # a mean's item count, kept beside its sum until the log
+
+
+def declared() -> tuple[Counter, ...]:
+    """Every fix's counters, in the fixes' order: the same vector on every rank, whatever each rank counted."""
+    from . import REGISTRY
+
+    return tuple(counter for fix in REGISTRY.fixes.values() for counter in fix.counters)
+
 
 # One value per owner and counter until the next log: memory stays bounded whatever logging_steps is, and for owners
 # nobody drains (VLLMGeneration used by trainers whose ``log`` is not wrapped: GOLD, distillation, SDPO, ...).
-_counters: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_counters: OwnerState[dict[str, Any]] = OwnerState(dict)
 
 
-def count(owner: Any, name: str, amount: Any) -> None:
-    """Add ``amount`` (an int or a 0-dim tensor, kept on its device) to ``owner``'s count ``name`` (one of COUNTERS)."""
-    # an owner that cannot be weakly referenced: counting is best effort, never an error
-    with contextlib.suppress(TypeError):
-        totals = _counters.setdefault(owner, {})
-        totals[name] = totals[name] + amount if name in totals else amount
+def count(owner: Any, counter: Counter, amount: Any) -> None:
+    """Add ``amount`` (an int or a 0-dim tensor, kept on its device) to ``owner``'s ``counter`` (a fix's declared
+    one: a counter no fix declares would stay on its rank)."""
+    totals = _counters.setdefault(owner)
+    totals[counter.name] = totals[counter.name] + amount if counter.name in totals else amount
 
 
-def count_mean(owner: Any, name: str, total: Any, items: Any) -> None:
-    """Add ``items`` items whose values sum to ``total`` to ``owner``'s mean ``name`` (one of MEANS)."""
-    count(owner, name, total)
-    count(owner, name + _COUNT, items)
+def count_mean(owner: Any, counter: Counter, total: Any, items: Any) -> None:
+    """Add ``items`` items whose values sum to ``total`` to ``owner``'s mean ``counter``."""
+    count(owner, counter, total)
+    count(owner, Counter(counter.name + _COUNT), items)
 
 
 def drain(owner: Any) -> dict[str, float]:
     """Read and reset ``owner``'s counts (the one place a device counter is read)."""
-    pending = _counters.pop(owner, None) if owner is not None else None
+    pending = _counters.pop(owner) if owner is not None else None
     if not pending:
         return {}
     return {name: float(total) for name, total in pending.items()}
@@ -64,7 +60,10 @@ def summed_over_ranks(values: dict[str, float], accelerator: Any) -> dict[str, f
     after the evaluation loop's gathers), never from a rank-local branch, so the count of these collectives is the
     same on every rank whatever each rank counted. A single process reduces nothing.
     """
-    slots = [*COUNTERS, *MEANS, *(name + _COUNT for name in MEANS)]
+    counters = declared()
+    sums = [c.name for c in counters if c.kind == "sum"]
+    means = [c.name for c in counters if c.kind == "mean"]
+    slots = [*sums, *means, *(name + _COUNT for name in means)]
     if getattr(accelerator, "num_processes", 1) > 1:
         import torch
 
@@ -73,8 +72,8 @@ def summed_over_ranks(values: dict[str, float], accelerator: Any) -> dict[str, f
         reduced = {name: summed[i] for i, name in enumerate(slots) if summed[len(slots) + i] > 0}
     else:
         reduced = {name: values[name] for name in slots if name in values}
-    total = {name: value for name, value in reduced.items() if name in COUNTERS}
-    for name in MEANS:
+    total = {name: value for name, value in reduced.items() if name in sums}
+    for name in means:
         items = reduced.get(name + _COUNT, 0.0)
         if items > 0:
             total[name] = reduced.get(name, 0.0) / items

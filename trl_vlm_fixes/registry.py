@@ -95,6 +95,7 @@ class Registry:
         self._reverted = False
         self._strict = False
         self._choices: dict[str, Choice] = {}  # what apply() was given, kept for the next apply()
+        self.scopes_paused = False  # the self-test's own trainers say nothing about the user's
         self._lock = threading.RLock()
         self._warned: set[tuple[str, str]] = set()  # (fix, reason) already warned by _skip
         _registries.append(self)
@@ -155,6 +156,13 @@ class Registry:
             self._read_fix_settings(self.fixes[fix_name])
         return record.values[key]
 
+    def is_enabled(self, fix_name: str) -> bool:
+        """Switched on at the last ``apply()`` (by the environment or the API)."""
+        record = self._records[fix_name]
+        if not record.values and not self._active:  # before any apply(): read now
+            self._read_fix_settings(self.fixes[fix_name])
+        return record.enabled and not (self._reverted and not self._active)
+
     def chosen(self, fix_name: str, key: str) -> bool:
         """Was this setting given (API or environment) rather than left at its default?"""
         return key in self._records[fix_name].chosen
@@ -177,6 +185,8 @@ class Registry:
     def record_scope(self, trainer: Any) -> None:
         """A GRPO/RLOO trainer was built: each applied fix records whether it acts for it (its declared scope)."""
         with self._lock:
+            if self.scopes_paused:
+                return
             for fix in self.fixes.values():
                 try:
                     reason = fix.scope(trainer)

@@ -7,18 +7,18 @@ forwards them) give the server's engine the settings the fixes would have given 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .logs import fix_logger
 from .patches.cudagraph import selected_mode
-from .patches.gdn_prefill import kernel_gone, selected_backend
-from .switches import fix_enabled
+from .patches.gdn_prefill import kernel_gone_reason, selected_backend
+from .registry import active
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
 
 # What TRL 1.16's build_command execs: the interpreter, then these, then the model; plus flags only TRL adds
 TRL_SERVER_COMMAND = ["-m", "vllm.entrypoints.cli.main", "serve"]
@@ -65,9 +65,10 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
     """The flags that give vLLM's server the fixes' engine settings, less those the command already has."""
     options = _options(argv)
     flags = []
-    if fix_enabled("cudagraph") and not _sets_cudagraph_mode(options):
+    if active().is_enabled("cudagraph") and not _sets_cudagraph_mode(options):
         flags.append(f"--compilation-config '{{\"cudagraph_mode\": \"{selected_mode()}\"}}'")
-    if fix_enabled("gdn_prefill") and kernel_gone() is None and "--gdn-prefill-backend" not in dict(options):
+    prefill_needed = active().is_enabled("gdn_prefill") and kernel_gone_reason() is None
+    if prefill_needed and "--gdn-prefill-backend" not in dict(options):
         flags.append(f"--gdn-prefill-backend {selected_backend()}")
     return flags
 
@@ -113,7 +114,7 @@ def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
         config = served_model_config(argv)
         return None if config is None else has_gated_deltanet_layers_in_json(config)
     except Exception as error:  # noqa: BLE001 - unreadable here: the advice stays conditional
-        LOGGER.debug("trl_vlm_fixes: cannot read the served model's config: %r", error)
+        LOGGER.debug("cannot read the served model's config: %r", error)
         return None
 
 
@@ -127,12 +128,12 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
         flags = flags_to_pass(argv)
         gated_deltanet = served_model_has_gated_deltanet(argv) if flags else None
     except Exception as error:  # noqa: BLE001 - advice must never break the server's start
-        LOGGER.debug("trl_vlm_fixes: no server advice: %r", error)
+        LOGGER.debug("no server advice: %r", error)
         return
     if not flags:
         return
     server = (
-        "trl_vlm_fixes: this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
+        "this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
         "engine fixes cannot reach its engine"
     )
     if gated_deltanet is False:

@@ -10,14 +10,9 @@ from typing import Any
 
 MASTER_SWITCH = "TRL_VLM_FIXES"
 STRICT_SWITCH = "TRL_VLM_FIXES_STRICT"
-CUDAGRAPH_MODE_VARIABLE = "TRL_VLM_FIXES_CUDAGRAPH_MODE"
-# a part of a fix that can be turned off alone (the rest of the fix stays on)
-VISION_TOKEN_BAN_SWITCH = "TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN"
-# reload_skip: level-1 sleep between the turns of a tool loop (default off: the engine stays awake between turns)
-RELOAD_SKIP_TOOL_SLEEP_SWITCH = "TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP"
 # watchdog: resume after a watchdog exit (default on); 0: the watchdog still fires, a restart starts as upstream does
 WATCHDOG_RESUME_SWITCH = "TRL_VLM_FIXES_WATCHDOG_RESUME"
-BOOLEAN_SUB_SWITCHES = (VISION_TOKEN_BAN_SWITCH, RELOAD_SKIP_TOOL_SLEEP_SWITCH, WATCHDOG_RESUME_SWITCH)
+BOOLEAN_SUB_SWITCHES = (WATCHDOG_RESUME_SWITCH,)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -136,6 +131,7 @@ class Setting:
     parse: Callable[[str], Any]  # text -> value; raises SwitchValueError naming the variable and the accepted values
     default: Any
     accepted: str  # the accepted values, for README and errors
+    unit: str = ""  # how the trainer-start line shows the value ("s": "600 s")
 
     def read(self, given: Any = None) -> tuple[Any, bool]:
         """(value, whether it was chosen: by the API or the environment, not the default)."""

@@ -7,13 +7,13 @@ report can name the step and write into ``output_dir``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
-from .registry import Target, on_trainers
+from .declaration import Target, on_trainers
+from .logs import fix_logger
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
 _announced = False
 
 
@@ -24,30 +24,33 @@ def after_trainer_init(
     try:
         _after_init(instance)
     except Exception as error:  # noqa: BLE001 - reporting must never break building a trainer
-        LOGGER.debug("trl_vlm_fixes: could not report at trainer start: %r", error)
+        LOGGER.debug("could not report at trainer start: %r", error)
     return result
 
 
 def _after_init(trainer: Any) -> None:
     from . import REGISTRY, __version__
     from .patches.watchdog import register_owner
-    from .switches import watchdog_seconds
 
     generation = getattr(trainer, "vllm_generation", None)
     if generation is not None:
         register_owner(generation, trainer)
+    REGISTRY.record_scope(trainer)  # each fix: does it act for this trainer's model and mode?
     global _announced
     accelerator = getattr(trainer, "accelerator", None)
     if _announced or not getattr(accelerator, "is_main_process", True):
         return
     _announced = True
     states = []
-    for name in REGISTRY.fixes:
-        state = REGISTRY.fix_state(name)[0]
-        if name == "watchdog" and state == "applied":
-            state += f" ({watchdog_seconds():g} s)"
+    for name, fix in REGISTRY.fixes.items():
+        state, detail = REGISTRY.fix_state(name)
+        switch = fix.switch_setting
+        if state == "applied" and switch is not None and switch.unit:
+            state += f" ({REGISTRY.value(name, switch.key):g} {switch.unit})"
+        elif state == "stepped-aside":
+            state += f" ({detail.partition(': ')[2]})"
         states.append(f"{name}={state}")
-    LOGGER.warning("trl_vlm_fixes %s: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
+    LOGGER.warning("%s at trainer start: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
 
 
 def support_targets() -> tuple[Target, ...]:

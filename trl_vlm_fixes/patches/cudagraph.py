@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
+import os
 from typing import Any
 
-from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
-from ..registry import Fix
-from ..switches import CUDAGRAPH_MODE_VARIABLE, read_choice
+from ..declaration import Fix
+from ..engine_args import EngineBuild, engine_builder_targets, served_model_config, serves_gated_deltanet
+from ..logs import fix_logger
+from ..registry import value
+from ..switches import SwitchValueError, choice
 from ..vllm_arguments import cudagraph_mode_problem
-from .watchdog.resume import protected_after_repeated_hang
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
 
 # vLLM 0.25.1's CUDAGraphMode names (checked against the real enum in the tests).
 VALID_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -45,20 +46,51 @@ SPEED_NOTE = {
 }
 
 
-class CudagraphModeError(ValueError):
-    """TRL_VLM_FIXES_CUDAGRAPH_MODE names no CUDAGraphMode."""
+MODE = choice("mode", "TRL_VLM_FIXES_CUDAGRAPH_MODE", VALID_MODES, DEFAULT_MODE, "a vLLM CUDAGraphMode")
+CudagraphModeError = SwitchValueError  # what a bad TRL_VLM_FIXES_CUDAGRAPH_MODE raises (kept for importers)
 
 
 def selected_mode() -> str:
-    """The mode from TRL_VLM_FIXES_CUDAGRAPH_MODE (default PIECEWISE); anything else fails at once."""
-    return read_choice(CUDAGRAPH_MODE_VARIABLE, VALID_MODES, DEFAULT_MODE, CudagraphModeError, "a vLLM CUDAGraphMode")
+    """The mode read at apply() (TRL_VLM_FIXES_CUDAGRAPH_MODE, or apply(cudagraph={"mode": ...}); PIECEWISE)."""
+    return str(value("cudagraph", MODE.key))
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Merge the selected ``cudagraph_mode`` into the engine's compilation config (``NONE`` after a repeated hang)."""
-    mode = PROTECTED_MODE if protected_after_repeated_hang() else selected_mode()
+    mode = PROTECTED_MODE if build.protected else selected_mode()
     kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
-    build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {CUDAGRAPH_MODE_VARIABLE} to choose)")
+    build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {MODE.variable} to choose)")
+
+
+def read_back(engine: Any) -> tuple[str, list[str]] | None:
+    """The mode vLLM built (its ``vllm_config``), and a warning where a setting changes what the mode means."""
+    config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    compilation = getattr(config, "compilation_config", None)
+    if compilation is None:
+        return None
+    built = getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))
+    warnings = []
+    if getattr(getattr(config, "model_config", None), "enforce_eager", False) and built == "NONE":
+        warnings.append(
+            f"cudagraph: enforce_eager=True: vLLM captures no CUDA graph at all (cudagraph_mode NONE), whatever "
+            f"{MODE.variable} says; drop enforce_eager to get {selected_mode()} ({SPEED_NOTE['NONE']})."
+        )
+    if built == "PIECEWISE" and _breakable_cudagraph():
+        warnings.append(
+            "cudagraph: VLLM_USE_BREAKABLE_CUDAGRAPH=1: vLLM's breakable graphs break only at functions marked "
+            "@eager_break_during_capture (attention), not at the Gated-DeltaNet op, so GDN decode IS captured "
+            "although cudagraph_mode=PIECEWISE. Unset VLLM_USE_BREAKABLE_CUDAGRAPH to keep GDN kernels out of graphs."
+        )
+    return f"cudagraph_mode={built}", warnings
+
+
+def _breakable_cudagraph() -> bool:
+    try:
+        import vllm.envs as envs
+
+        return bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)
+    except Exception:  # noqa: BLE001 - vLLM unreadable: read the variable as vLLM does
+        return os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0").strip().lower() in ("1", "true")
 
 
 def merge_compilation_config(existing: Any, mode: str) -> Any:
@@ -99,28 +131,69 @@ def _warn_override(previous: Any, mode: str) -> None:
     name = getattr(previous, "name", previous)
     if previous is not None and str(name).upper() != mode:
         LOGGER.warning(
-            "trl_vlm_fixes.cudagraph: replacing cudagraph_mode=%s with %s (set %s to choose, or "
-            "TRL_VLM_FIXES_CUDAGRAPH=0 to keep yours).",
+            "replacing cudagraph_mode=%s with %s (set %s to choose, or TRL_VLM_FIXES_CUDAGRAPH=0 to keep yours).",
             name,
             mode,
-            CUDAGRAPH_MODE_VARIABLE,
+            MODE.variable,
         )
 
 
 def arguments_problem() -> str | None:
     """Why the installed vLLM would refuse the modes this fix may pass (the selected one, and NONE after a repeated
-    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``. A malformed setting is not a vLLM
-    problem: it fails where it is read."""
+    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``."""
+    return cudagraph_mode_problem(selected_mode()) or cudagraph_mode_problem(PROTECTED_MODE)
+
+
+def scope(trainer: Any) -> str | None:
+    """The engine TRL builds for this trainer: none without vLLM, untouched for a model without GDN layers."""
+    if not getattr(trainer, "use_vllm", False):
+        return "use_vllm is off: no vLLM engine"
+    if not serves_gated_deltanet(EngineBuild("", served_model_config(trainer, {}))):
+        return "the served model has no Gated-DeltaNet layers"
+    return None
+
+
+def engine_cudagraph_mode(config: Any) -> str:
+    """The CUDA-graph mode an engine given ``compilation_config=config`` runs, as vLLM's own config resolves it."""
     try:
-        mode = selected_mode()
-    except CudagraphModeError:
-        mode = PROTECTED_MODE
-    return cudagraph_mode_problem(mode) or cudagraph_mode_problem(PROTECTED_MODE)
+        from vllm.config import CompilationConfig
+    except ImportError:
+        mode = (config or {}).get("cudagraph_mode") if isinstance(config, dict) else None
+        return str(mode or "vLLM default (graphs on)")
+    resolved = CompilationConfig(**config) if isinstance(config, dict) else (config or CompilationConfig())
+    # None: VllmConfig picks its default, FULL_AND_PIECEWISE on a GPU (measured on an H200, docs/gpu-results.md)
+    return resolved.cudagraph_mode.name if resolved.cudagraph_mode is not None else "vLLM default (graphs on)"
+
+
+def selftest(context: Any, family: str) -> Any:
+    """The CUDA-graph mode the engine TRL builds for a Gated-DeltaNet model gets, as vLLM's CompilationConfig reads
+    it: upstream vLLM's default graphs (GDN decode captured), with the fix one that captures no GDN kernel."""
+    from ..selftest.rollout_schedule import build_generation
+    from ..selftest.runner import off_then_on
+
+    def measure() -> str:
+        generation = build_generation(context.model_dir(family), context.processor(family))
+        return engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
+
+    def bug(mode: str) -> tuple[bool | None, str]:
+        captured = mode not in ("NONE", "PIECEWISE")
+        return captured, f"fix off: the engine TRL builds for a Gated-DeltaNet model gets cudagraph_mode={mode}"
+
+    def fix(mode: str) -> tuple[bool | None, str]:
+        return mode == selected_mode(), f"fix on: vLLM's CompilationConfig gets cudagraph_mode={mode}"
+
+    return off_then_on("cudagraph", measure, bug, fix)
 
 
 FIX = Fix(
     name="cudagraph",
     summary="vLLM engine runs every Gated-DeltaNet kernel outside CUDA graphs (a reported GDN decode-graph hang)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets("cudagraph", contribute, serves_gated_deltanet, arguments_problem),
+    targets=engine_builder_targets(
+        "cudagraph", contribute, serves_gated_deltanet, arguments_problem, read_back=read_back
+    ),
+    settings=(MODE,),
+    selftest=selftest,
+    scope=scope,
+    protected=(("mode", PROTECTED_MODE),),
 )

@@ -4,7 +4,7 @@ vLLM 0.25.1 on Hopper (SM90) picks FlashInfer 0.6.13's GDN prefill kernel by def
 hang Qwen3.5 runs after hours (flashinfer-ai/flashinfer#3986, #2623 "Kernel hang in gdn_prefill_sm90", "Barrier error
 detected. Missing wait"; vllm-project/vllm#38916, gone with Triton). FlashInfer 0.6.14 (first pinned by vLLM 0.26.0)
 replaced it with a CuTe-DSL kernel, on which the hang no longer reproduces (flashinfer#3329): from there the fix is
-``not-needed`` (``kernel_gone``). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it;
+``not-needed`` (``kernel_gone_reason``). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it;
 ``gdn_prefill_backend`` does.
 The value is added at TRL's ``LLM(...)`` call (colocated and ``trl vllm-serve``, neither of which passes one),
 through the same mechanism as ``cudagraph``, and only for models that have Gated-DeltaNet layers.
@@ -12,38 +12,34 @@ through the same mechanism as ``cudagraph``, and only for models that have Gated
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from packaging.version import Version
 
-from ..engine_args import EngineBuild, engine_builder_targets, serves_gated_deltanet
-from ..registry import Fix
-from ..switches import read_choice
+from ..declaration import Fix
+from ..engine_args import EngineBuild, engine_builder_targets, served_model_config, serves_gated_deltanet
+from ..registry import active, value
+from ..switches import SwitchValueError, choice
 from ..versions import installed_version, public_version
 from ..vllm_arguments import engine_argument_problem
-from .watchdog.resume import protected_after_repeated_hang
 
-BACKEND_VARIABLE = "TRL_VLM_FIXES_GDN_PREFILL_BACKEND"
 VALID_BACKENDS = ("triton", "flashinfer")
 DEFAULT_BACKEND = "triton"
-PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (watchdog.resume)
-
-
-class GdnPrefillBackendError(ValueError):
-    """TRL_VLM_FIXES_GDN_PREFILL_BACKEND names no backend we accept."""
+PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (the watchdog's protected restart)
+BACKEND = choice("backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND,
+                 "a GDN prefill backend we select")
+BACKEND_VARIABLE = BACKEND.variable
+GdnPrefillBackendError = SwitchValueError  # what a bad TRL_VLM_FIXES_GDN_PREFILL_BACKEND raises (kept for importers)
 
 
 def selected_backend() -> str:
-    """The backend from TRL_VLM_FIXES_GDN_PREFILL_BACKEND (default triton); anything else fails at once."""
-    return read_choice(
-        BACKEND_VARIABLE, VALID_BACKENDS, DEFAULT_BACKEND, GdnPrefillBackendError, "a GDN prefill backend we select"
-    )
+    """The backend read at apply() (TRL_VLM_FIXES_GDN_PREFILL_BACKEND, or apply(gdn_prefill={"backend": ...}))."""
+    return str(value("gdn_prefill", BACKEND.key))
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Select the prefill backend."""
-    backend = PROTECTED_BACKEND if protected_after_repeated_hang() else selected_backend()
+    backend = PROTECTED_BACKEND if build.protected else selected_backend()
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
@@ -51,14 +47,19 @@ def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
 
 def arguments_problem() -> str | None:
     """Why the installed vLLM would refuse ``gdn_prefill_backend`` (the selected value, or triton after a repeated
-    hang), read from its own ``EngineArgs``. A malformed setting is not a vLLM problem: it fails where it is read."""
-    try:
-        backend = selected_backend()
-    except GdnPrefillBackendError:
-        backend = PROTECTED_BACKEND
-    return engine_argument_problem("gdn_prefill_backend", backend) or engine_argument_problem(
+    hang), read from its own ``EngineArgs``."""
+    return engine_argument_problem("gdn_prefill_backend", selected_backend()) or engine_argument_problem(
         "gdn_prefill_backend", PROTECTED_BACKEND
     )
+
+
+def read_back(engine: Any) -> tuple[str, list[str]] | None:
+    """The backend the built engine's config carries (vLLM reads it from ``additional_config``)."""
+    config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    additional = getattr(config, "additional_config", None)
+    if not isinstance(additional, dict):
+        return None
+    return f"gdn_prefill_backend={additional.get('gdn_prefill_backend', 'auto')}", []
 
 
 # The first FlashInfer without the SM90 C++ prefill kernel that hangs, and the first vLLM that pins it
@@ -66,13 +67,13 @@ FIXED_FLASHINFER = "0.6.14"
 FIXED_VLLM = "0.26.0"
 
 
-def kernel_gone() -> str | None:
+def kernel_gone_reason() -> str | None:
     """Why the reported hang cannot happen with the installed versions: FlashInfer 0.6.14 removed the SM90 C++
     ``gdn_prefill_sm90`` kernel (flashinfer-ai/flashinfer#3477 rewrote it in CuTe-DSL; #3329: the hang no longer
     reproduces there) and vLLM pins FlashInfer >= 0.6.14 from 0.26.0. The installed FlashInfer decides when there is
     one (a downgrade under ``--no-deps`` keeps the fix); without one, vLLM's pin does. A backend the user asked
     for (``TRL_VLM_FIXES_GDN_PREFILL_BACKEND`` set) is honoured everywhere: the fix then stays applied."""
-    if os.environ.get(BACKEND_VARIABLE, "").strip():
+    if active().chosen("gdn_prefill", BACKEND.key):
         return None
     vllm = installed_version("vllm")
     if vllm is None or Version(public_version(vllm)) < Version(FIXED_VLLM):
@@ -87,11 +88,54 @@ def kernel_gone() -> str | None:
     )
 
 
+def scope(trainer: Any) -> str | None:
+    """The engine TRL builds for this trainer: none without vLLM, untouched for a model without GDN layers."""
+    if not getattr(trainer, "use_vllm", False):
+        return "use_vllm is off: no vLLM engine"
+    if not serves_gated_deltanet(EngineBuild("", served_model_config(trainer, {}))):
+        return "the served model has no Gated-DeltaNet layers"
+    return None
+
+
+def selftest(context: Any, family: str) -> Any:
+    """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for, where the kernel that hangs exists."""
+    from ..selftest.rollout_schedule import build_generation
+    from ..selftest.runner import off_then_on
+
+    def measure() -> Any:
+        generation = build_generation(context.model_dir(family), context.processor(family))
+        return generation.llm.init_kwargs.get("gdn_prefill_backend")
+
+    def bug(backend: Any) -> tuple[bool, str]:
+        if gone := kernel_gone_reason():
+            return False, f"fix off: gdn_prefill_backend={backend}, no kernel to avoid (installed versions: {gone})"
+        return backend is None, (
+            f"fix off: gdn_prefill_backend={backend} (vLLM 0.25.1 then picks FlashInfer's SM90 kernel on Hopper)"
+        )
+
+    def fix(backend: Any) -> tuple[bool, str]:
+        problem = engine_argument_problem("gdn_prefill_backend", backend)
+        detail = f"fix on: gdn_prefill_backend={backend}" + (f" ({problem})" if problem else "")
+        return backend == selected_backend() and problem is None, detail
+
+    return off_then_on("gdn_prefill", measure, bug, fix)
+
+
 FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
     packages=("trl", "vllm"),
     targets=engine_builder_targets(
-        "gdn_prefill", contribute, serves_gated_deltanet, arguments_problem, upstream_fixed=kernel_gone
+        "gdn_prefill",
+        contribute,
+        serves_gated_deltanet,
+        arguments_problem,
+        upstream_fixed=kernel_gone_reason,
+        read_back=read_back,
     ),
+    settings=(BACKEND,),
+    selftest=selftest,
+    scope=scope,
+    protected=(("backend", PROTECTED_BACKEND),),
 )
+kernel_gone = kernel_gone_reason  # the old name, still read by patches/watchdog/resume.py

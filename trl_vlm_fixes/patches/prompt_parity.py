@@ -12,8 +12,9 @@ The fix wraps ``VLLMGeneration.generate``, the one door of every TRL trainer (an
 
 - **collapse**: what goes to vLLM holds each image's run of pads as the single pad vLLM's processor expands (the
   images of the prompt, several per prompt, and those a tool returned in TRL's tool loop). The trainer keeps its own
-  ids for scoring. Only the Qwen families whose expansion this is proven on (Qwen3.5, Qwen3-VL, Qwen2.5-VL: one
-  ``<|image_pad|>`` per image, expanded by vLLM to the same N the trainer's processor wrote) are rewritten; TRL sends
+  ids for scoring. Only the Qwen families whose expansion this is proven on (Qwen3.5, Qwen3-VL, Qwen2.5-VL, dense and
+  MoE: one ``<|image_pad|>`` per image, expanded by vLLM to the same N the trainer's processor wrote; decided from
+  what they share, ``vision_tokens.markers_problem``) are rewritten; TRL sends
   vLLM images only (no videos), so video pads are never touched.
 - **parity check**: the prompt ids vLLM reports (``RequestOutput.prompt_token_ids``, which TRL discards) must equal
   the trainer's, row for row, for every family and mode. A row that differs (the engine's processor resized an image
@@ -25,18 +26,17 @@ The fix wraps ``VLLMGeneration.generate``, the one door of every TRL trainer (an
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
+from ..declaration import Counter, Fix, Target
 from ..log_once import warn_once
-from ..registry import Fix, Target
 from ..source_shape import calls_method, function_tree, string_constants
-from .mm_realign import PROVEN_FAMILIES, model_family
+from ..vision_tokens import markers_problem, vision_tokens
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+PROMPT_MISMATCH_ROWS = Counter("trl_vlm_fixes/prompt_mismatch_rows")
 
 _MODULE = "trl.generation.vllm_generation"
 
@@ -134,29 +134,28 @@ def _images_in(row_images: Any) -> int:
 
 
 def _image_pad_id(generation: Any) -> int | None:
-    processor = getattr(generation, "processing_class", None)
-    token_id = getattr(processor, "image_token_id", None)
-    if isinstance(token_id, int) and not isinstance(token_id, bool):
-        return token_id
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is not None and hasattr(tokenizer, "convert_tokens_to_ids"):
-        token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
-            return token_id
-    return None
+    return vision_tokens(getattr(generation, "processing_class", None)).image
 
 
 def _why_not_rewritten(generation: Any, function: Callable[..., Any], pad_id: int | None) -> str | None:
     """Why this call's prompts go to vLLM as TRL built them, or None where they are collapsed."""
-    family = model_family(getattr(generation, "model", None))
-    if family not in PROVEN_FAMILIES:
-        proven = ", ".join(sorted(PROVEN_FAMILIES))
-        return f"model type {family!r} is not one whose image expansion it is proven on ({proven})"
+    if problem := markers_problem(getattr(generation, "model", None)):
+        return f"{problem} (its image expansion is not proven)"
     if pad_id is None:
         return "the processing class defines no image pad token"
     mode = getattr(generation, "mode", None)
     if mode not in modes_sending_expanded_ids(function):
         return f"in {mode} mode this TRL does not send vLLM the expanded ids with raw images"
+    return None
+
+
+def scope(trainer: Any) -> str | None:
+    """Where the rewrite steps aside for this trainer (the parity check still runs on every generate)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if not getattr(trainer, "use_vllm", False) or generation is None:
+        return "use_vllm is off: TRL sends vLLM no prompt"
+    if problem := markers_problem(getattr(trainer, "model", None)):
+        return f"{problem}; the parity check still runs"
     return None
 
 
@@ -181,16 +180,35 @@ def unexpanded_prompts(
 
 
 def mismatched_rows(
-    engine_prompt_ids: Sequence[Sequence[int]] | None, trainer_prompt_ids: list[list[int]]
+    engine_prompt_ids: Sequence[Sequence[int]] | None,
+    trainer_prompt_ids: list[list[int]],
+    images: list[Any] | None = None,
+    pad_id: int | None = None,
 ) -> list[int]:
-    """Rows whose prompt, as vLLM reports it, is not the trainer's (a missing report counts as a mismatch)."""
+    """Rows whose prompt, as vLLM reports it, is not the trainer's (a missing report counts as a mismatch). A row the
+    caller sent with one pad per image (a ``rollout_func`` that leaves the expansion to vLLM) matches when vLLM's
+    prompt is it with those pads expanded."""
     if engine_prompt_ids is None or len(engine_prompt_ids) != len(trainer_prompt_ids):
         return list(range(len(trainer_prompt_ids)))
-    return [
-        row
-        for row, (a, b) in enumerate(zip(engine_prompt_ids, trainer_prompt_ids, strict=True))
-        if (a if isinstance(a, list) else list(a)) != b
-    ]
+    rows = []
+    for row, (engine, trainer) in enumerate(zip(engine_prompt_ids, trainer_prompt_ids, strict=True)):
+        engine = engine if isinstance(engine, list) else list(engine)
+        if engine != trainer and not _expanded_by_vllm(engine, trainer, _wanted(images, row), pad_id):
+            rows.append(row)
+    return rows
+
+
+def _wanted(images: list[Any] | None, row: int) -> int:
+    return _images_in(images[row]) if images is not None and row < len(images) else 0
+
+
+def _expanded_by_vllm(engine: list[int], trainer: list[int], images: int, pad_id: int | None) -> bool:
+    """The caller sent each image as one pad and vLLM expanded exactly those: the intended form of the prompt."""
+    if not images or pad_id is None:
+        return False
+    runs = pad_runs(trainer, pad_id)
+    single = len(runs) == images and all(end - start == 1 for start, end in runs)
+    return single and engine.count(pad_id) > len(runs) and collapse_runs(engine, pad_id) == trainer
 
 
 def likely_cause(
@@ -200,32 +218,38 @@ def likely_cause(
     images: int,
     pad_id: int | None,
     rewritten: bool,
+    server: bool = False,
 ) -> str:
     """Why row ``row`` of the engine's prompts is not the trainer's, from the two id lists alone."""
     trainer_ids = trainer_prompt_ids[row]
     engine = list(engine_ids)
+    pairing = (
+        "vLLM sampled this row from another row's prompt (TRL 1.9.1's server mode keeps one prompt per "
+        "num_generations rows, the first of each group, possibly on another rank; its tool loop does so for rows "
+        "with different histories too)"
+    )
     if any(engine == other for i, other in enumerate(trainer_prompt_ids) if i != row):
-        return (
-            "vLLM sampled this row from another row's prompt (TRL 1.9.1's server mode keeps one prompt per "
-            "num_generations rows, which its tool loop also does for rows with different histories)"
-        )
+        return pairing
     engine_pads = engine.count(pad_id) if pad_id is not None else 0
     trainer_pads = trainer_ids.count(pad_id) if pad_id is not None else 0
     runs = count_runs(trainer_ids, pad_id) if pad_id is not None else 0
     if images and runs != images:
         return f"the row holds {runs} image pad runs for {images} images, so it went to vLLM as TRL built it"
-    if not rewritten and images and engine_pads == 2 * trainer_pads - images:
+    same_text = pad_id is None or collapse_runs(engine, pad_id) == collapse_runs(trainer_ids, pad_id)
+    if same_text and not rewritten and images and engine_pads == 2 * trainer_pads - images:
         return (
             "vLLM expanded the trainer's already expanded image placeholders a second time (prompt_parity is off or "
             "stepped aside for this model or mode)"
         )
-    if engine_pads != trainer_pads:
+    if same_text and engine_pads != trainer_pads:
         return (
             "vLLM's processor expanded the images to another number of tokens than the trainer's processor: they "
             "resize differently (TRL gives the engine no mm_processor_kwargs, so save the trainer's processor "
             "settings, e.g. min_pixels/max_pixels, with processor.save_pretrained into the model folder the engine "
             "loads)"
         )
+    if server and not same_text:
+        return pairing
     return "the engine tokenized or rewrote the text of the prompt differently (an upstream change)"
 
 
@@ -246,7 +270,8 @@ def _report(
         engine_ids = engine_prompt_ids[row]
         wanted = _images_in(images[row]) if images is not None and row < len(images) else 0
         rewritten = sent is not None and sent[row] is not trainer_ids
-        cause = likely_cause(engine_ids, trainer_prompt_ids, row, wanted, _image_pad_id(generation), rewritten)
+        server = getattr(generation, "mode", None) == "server"
+        cause = likely_cause(engine_ids, trainer_prompt_ids, row, wanted, _image_pad_id(generation), rewritten, server)
     warn_once(
         ("prompt_parity mismatch", cause),
         "trl_vlm_fixes.prompt_parity: vLLM sampled %d of %d rows from another prompt than the trainer scores (first: "
@@ -257,7 +282,7 @@ def _report(
         len(engine_ids),
         len(trainer_ids),
         cause,
-        metrics.PROMPT_MISMATCH_ROWS,
+        PROMPT_MISMATCH_ROWS,
     )
 
 
@@ -326,8 +351,9 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     else:
         result = wrapped(*args, **kwargs)
     engine_prompt_ids = result[0] if isinstance(result, tuple) and result else None
-    rows = mismatched_rows(engine_prompt_ids, prompts)
-    metrics.count(instance, metrics.PROMPT_MISMATCH_ROWS, len(rows))  # 0 too: the metric shows the check ran
+    pad_id = _image_pad_id(instance)
+    rows = mismatched_rows(engine_prompt_ids, prompts, images if isinstance(images, list) else None, pad_id)
+    metrics.count(instance, PROMPT_MISMATCH_ROWS, len(rows))  # 0 too: the metric shows the check ran
     if rows:
         _report(instance, rows, engine_prompt_ids, prompts, images, sent)
     return result
@@ -344,6 +370,46 @@ def _warn_pads_without_images(generation: Any, prompts: list[list[int]]) -> None
         )
 
 
+def selftest(context: Any, family: str) -> Any:
+    """Two image prompts through TRL's VLLMGeneration to the engine stand-in, whose prompts go through vLLM's own
+    multimodal processor: how many rows does the engine sample from another prompt than the trainer's?"""
+    from ..selftest.fixtures import conversation, make_image
+    from ..selftest.rollout_schedule import build_generation
+    from ..selftest.runner import off_then_on
+
+    model_dir, processor = context.model_dir(family), context.processor(family)
+    images = [make_image(96, 64, 0), make_image(128, 96, 1)]
+    prompts = []
+    for image in images:
+        messages = conversation("what is this?")
+        messages[0]["content"][0]["image"] = image
+        tokenized = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        prompts.append(list(tokenized["input_ids"][0]))
+
+    def measure() -> tuple[int, str | None]:
+        generation = build_generation(model_dir, processor, enable_sleep_mode=False)
+        generation.generate(prompts=prompts, images=[[image] for image in images], num_generations=1)
+        engine = generation.llm
+        return sum(a != b for a, b in zip(engine.prompts_seen, prompts, strict=True)), engine.mm_processing
+
+    def unavailable(processing: str | None) -> str | None:
+        return None if processing == "vllm" else f"vLLM's multimodal processor is unavailable here ({processing})"
+
+    def bug(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
+        differing, processing = outcome
+        if reason := unavailable(processing):
+            return None, reason
+        return differing > 0, f"fix off: vLLM samples {differing}/{len(prompts)} image rows from another prompt"
+
+    def fix(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
+        differing, processing = outcome
+        if reason := unavailable(processing):
+            return None, reason
+        return differing == 0, f"fix on: {len(prompts) - differing}/{len(prompts)} rows identical to the trainer's"
+
+    return off_then_on("prompt_parity", measure, bug, fix)
+
+
 FIX = Fix(
     name="prompt_parity",
     summary="vLLM gets each image as the one pad it expands; its prompt ids are checked against the trainer's",
@@ -358,4 +424,7 @@ FIX = Fix(
             upstream_fixed=_upstream_sends_unexpanded,
         ),
     ),
+    counters=(PROMPT_MISMATCH_ROWS,),
+    selftest=selftest,
+    scope=scope,
 )

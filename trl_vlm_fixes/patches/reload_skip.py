@@ -27,8 +27,6 @@ push is rank-local (no ZeRO-3, no FSDP), so it can never make one rank enter a c
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,12 +35,19 @@ from typing import Any
 import wrapt
 
 from .. import metrics
+from ..declaration import Counter, Fix, Target, on_trainers
 from ..log_once import warn_once
-from ..registry import Fix, Target, on_trainers
+from ..logs import fix_logger
+from ..owner_state import OwnerState
+from ..registry import value
 from ..source_shape import calls_method, function_tree
-from ..switches import RELOAD_SKIP_TOOL_SLEEP_SWITCH, read_bool
+from ..switches import boolean
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
+WEIGHT_REPUSHES = Counter("trl_vlm_fixes/weight_repushes")
+DISK_RELOADS_SKIPPED = Counter("trl_vlm_fixes/disk_reloads_skipped")
+# level-1 sleep between the turns of a tool loop (default off: the engine stays awake between turns)
+TOOL_SLEEP = boolean("tool_sleep", "TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP", False)
 
 _MODULE = "trl.generation.vllm_generation"
 
@@ -62,16 +67,12 @@ class EngineWeights:
     caches_warm: bool = False  # a generate ran since vLLM last cleared its caches (a sleep of level >= 1)
 
 
-_engines: weakref.WeakKeyDictionary[Any, EngineWeights] = weakref.WeakKeyDictionary()
+_engines: OwnerState[EngineWeights] = OwnerState(EngineWeights)
 
 
 def engine_weights(generation: Any) -> EngineWeights:
     """The tracked state of one ``VLLMGeneration`` (kept off the instance, so revert leaves nothing behind)."""
-    state = _engines.get(generation)
-    if state is None:
-        state = EngineWeights()
-        _engines[generation] = state
-    return state
+    return _engines.setdefault(generation)
 
 
 def _colocated_with_sleep(generation: Any) -> bool:
@@ -120,7 +121,7 @@ class _EngineWithoutDiskReload(wrapt.ObjectProxy):  # type: ignore[misc]
     def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         if method == "reload_weights":
             self._self_state.reloads_skipped += 1
-            metrics.count(self._self_generation, metrics.DISK_RELOADS_SKIPPED, 1)
+            metrics.count(self._self_generation, DISK_RELOADS_SKIPPED, 1)
             return []
         return self.__wrapped__.collective_rpc(method, *args, **kwargs)
 
@@ -169,7 +170,7 @@ def rollout_scope(generation: Any) -> Iterator[None]:
         return
     state = engine_weights(generation)
     if state.rollout_depth == 0:
-        state.tool_sleep = read_bool(RELOAD_SKIP_TOOL_SLEEP_SWITCH, False)
+        state.tool_sleep = bool(value("reload_skip", TOOL_SLEEP.key))
     state.rollout_depth += 1
     try:
         yield
@@ -202,12 +203,12 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     )
     if state.discarded or stale:
         LOGGER.debug(
-            "trl_vlm_fixes.reload_skip: re-pushing trained weights before generate (%s)",
+            "re-pushing trained weights before generate (%s)",
             "discarded by level-2 sleep" if state.discarded else "the trainer's weights changed since the last push",
         )
         instance.sync_weights()
         state.repushes += 1
-        metrics.count(instance, metrics.WEIGHT_REPUSHES, 1)
+        metrics.count(instance, WEIGHT_REPUSHES, 1)
     state.caches_warm = True
     try:
         with _engine_without_disk_reload(instance, state):
@@ -238,7 +239,7 @@ def _reset_encoder_cache(engine: Any) -> None:
     if reset is None:
         warn_once(
             "reload_skip encoder cache",
-            "trl_vlm_fixes.reload_skip: this vLLM engine has no llm_engine.reset_encoder_cache(); after a push "
+            "this vLLM engine has no llm_engine.reset_encoder_cache(); after a push "
             "between the turns of a rollout a repeated image may reuse embeddings of the previous weights.",
         )
         return
@@ -284,6 +285,44 @@ def _reload_shape(function: Callable[..., Any]) -> str | None:
     return "VLLMGeneration.generate neither reloads from disk nor re-pushes: unknown sleep-mode handling"
 
 
+def scope(trainer: Any) -> str | None:
+    """The bug needs TRL's colocated engine with sleep mode (``VLLMGeneration.generate``'s reload)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if not getattr(trainer, "use_vllm", False) or generation is None:
+        return "use_vllm is off: no vLLM engine to reload"
+    if not _colocated_with_sleep(generation):
+        return f"{getattr(generation, 'mode', '?')} mode without colocated sleep mode: TRL reloads nothing from disk"
+    return None
+
+
+def selftest(context: Any, family: str) -> Any:
+    """TRL's real VLLMGeneration on the engine stand-in, driven as GRPO drives it (a second rollout in a step, a
+    three-turn tool loop, a lone generate, an evaluation): on which weights does each rollout run?"""
+    from ..selftest.rollout_schedule import TrainerLoop, build_generation, run_schedule
+    from ..selftest.runner import off_then_on
+
+    def measure() -> TrainerLoop:
+        loop = TrainerLoop(build_generation(context.model_dir(family), context.processor(family)))
+        run_schedule(loop)
+        return loop
+
+    def bug(loop: TrainerLoop) -> tuple[bool, str]:
+        detail = (
+            f"fix off: {loop.stale}/{loop.generates} rollouts on stale or garbage weights, "
+            f"{loop.engine.disk_reloads} disk reloads"
+        )
+        return loop.stale > 0, detail
+
+    def fix(loop: TrainerLoop) -> tuple[bool, str]:
+        ok = loop.stale == 0 and loop.engine.disk_reloads == 0 and loop.max_full_pushes_per_generate <= 1
+        return ok, (
+            f"fix on: {loop.generates - loop.stale}/{loop.generates} rollouts on current weights, "
+            f"{loop.engine.disk_reloads} disk reloads"
+        )
+
+    return off_then_on("reload_skip", measure, bug, fix)
+
+
 # every target of this fix relies on TRL's generate reloading from disk, and steps aside where TRL re-pushes itself
 _CHECKS: dict[str, Any] = {"shape_problem": _reload_shape, "upstream_fixed": _upstream_repushes}
 
@@ -296,4 +335,8 @@ FIX = Fix(
         Target(_MODULE, "VLLMGeneration.sync_weights", sync_weights_wrapper, **_CHECKS),
         *on_trainers({"_generate": rollout_wrapper}, **_CHECKS),
     ),
+    settings=(TOOL_SLEEP,),
+    counters=(WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED),
+    selftest=selftest,
+    scope=scope,
 )

@@ -32,16 +32,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
+from ..declaration import Counter, Fix, Target, on_trainers
 from ..engine_args import server_is_calling
 from ..log_once import warn_once
-from ..registry import Fix, Target, on_trainers
-from ..switches import VISION_TOKEN_BAN_SWITCH, read_bool
+from ..logs import fix_logger
+from ..owner_state import OwnerState
+from ..registry import value
+from ..switches import boolean
 
 # Placeholder tokens of the Qwen VLM processors (image, video, audio placeholders and the vision frame markers)
 KNOWN_PLACEHOLDERS = (
@@ -57,15 +59,19 @@ KNOWN_PLACEHOLDERS = (
 _ID_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id", "vision_end_token_id")
 _TOKEN_ATTRIBUTES = ("image_token", "video_token", "audio_token", "vision_start_token", "vision_end_token")
 
-_placeholders: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
-_masked_rows: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+LOGGER = fix_logger(__name__)
+VISION_TOKEN_ROWS_MASKED = Counter("trl_vlm_fixes/vision_token_rows_masked")
+# off: only the safety net (no ban while sampling)
+BAN = boolean("ban", "TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", True)
+_placeholders: OwnerState[dict[int, str]] = OwnerState(dict)
+_masked_rows: OwnerState[list[int]] = OwnerState(list)
 
 
 def placeholder_tokens(trainer: Any) -> dict[int, str]:
     """{token id: token} of every multimodal placeholder the trainer's processor (or model config) defines."""
-    with contextlib.suppress(TypeError):
-        if trainer in _placeholders:
-            return _placeholders[trainer]
+    cached = _placeholders.get(trainer)
+    if cached is not None:
+        return cached
     processor = getattr(trainer, "processing_class", None)
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):  # a text-only trainer: nothing to guard
@@ -85,8 +91,7 @@ def placeholder_tokens(trainer: Any) -> dict[int, str]:
         token = tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(token, str) and token_id != unknown:
             found[token_id] = token
-    with contextlib.suppress(TypeError):
-        _placeholders[trainer] = found
+    _placeholders.set(trainer, found)
     return found
 
 
@@ -148,9 +153,9 @@ def server_ban_wrapper(
     except Exception as error:  # noqa: BLE001 - the request still carries its bad_words: never break it
         warn_once(
             ("vision_token_guard server ban", type(error).__name__),
-            "trl_vlm_fixes.vision_token_guard: the server keeps the request's bad_words ban (not turned into "
-            "logit_bias: %r).",
+            "the server keeps the request's bad_words ban (not turned into logit_bias: %r).",
             error,
+            logger=LOGGER,
         )
         return wrapped(*args, **kwargs)
     return wrapped(*bound.args, **bound.kwargs)
@@ -163,8 +168,9 @@ def _speculative(engine: Any) -> bool:
         return False
     warn_once(
         ("vision_token_guard server ban", "speculative"),
-        "trl_vlm_fixes.vision_token_guard: the server decodes speculatively, where vLLM refuses logit_bias: the "
-        "request's bad_words ban stays as it came.",
+        "the server decodes speculatively, where vLLM refuses logit_bias: the request's bad_words ban stays as it "
+        "came.",
+        logger=LOGGER,
     )
     return True
 
@@ -210,20 +216,20 @@ def _mask_stray_placeholders(trainer: Any, output: Any, placeholders: dict[int, 
         first = ids[stray[0]]
         warn_once(
             ("vision_token_guard sampled", first),
-            "trl_vlm_fixes.vision_token_guard: a completion contains the vision placeholder %s (id %d) sampled by "
+            "a completion contains the vision placeholder %s (id %d) sampled by "
             "the policy; it is replaced by the pad token and its row is masked out of the loss (counted in %s).",
             placeholders[first],
             first,
-            metrics.VISION_TOKEN_ROWS_MASKED,
+            VISION_TOKEN_ROWS_MASKED.name,
+            logger=LOGGER,
         )
         row_ids = list(ids)
         for i in stray:
             row_ids[i] = pad_id
         completion_ids[row] = row_ids
         masked.append(row)
-    with contextlib.suppress(TypeError):
-        _masked_rows.setdefault(trainer, []).extend(masked)
-    metrics.count(trainer, metrics.VISION_TOKEN_ROWS_MASKED, len(masked))
+    _masked_rows.setdefault(trainer).extend(masked)
+    metrics.count(trainer, VISION_TOKEN_ROWS_MASKED, len(masked))
     if masked and len(output) >= 4 and (output[2] is None or tool_mask is not None):  # GRPO's tool mask slot
         loss_mask = tool_mask or [[1] * len(ids) for ids in completion_ids]
         for row in masked:
@@ -249,9 +255,9 @@ def _guarded_placeholders(trainer: Any) -> dict[int, str]:
     if not placeholders:
         warn_once(
             ("vision_token_guard steps aside", type(trainer).__name__),
-            "trl_vlm_fixes.vision_token_guard steps aside for %s: its processing class defines no vision "
-            "placeholder token (a text-only model).",
+            "steps aside for %s: its processing class defines no vision placeholder token (a text-only model).",
             type(trainer).__name__,
+            logger=LOGGER,
         )
     return placeholders
 
@@ -261,7 +267,7 @@ def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     placeholders = _guarded_placeholders(instance)
     if not placeholders:
         return wrapped(*args, **kwargs)
-    ban = read_bool(VISION_TOKEN_BAN_SWITCH, True)
+    ban = bool(value("vision_token_guard", BAN.key))
     with banned_while_sampling(instance, placeholders) if ban else contextlib.nullcontext():
         output = wrapped(*args, **kwargs)
     return _mask_stray_placeholders(instance, output, placeholders)
@@ -269,30 +275,61 @@ def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
 
 def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The trainer's ``_generate_and_score_completions``: RLOO's loss gets the masked rows as TRL would mask them."""
-    with contextlib.suppress(TypeError):
-        _masked_rows.pop(instance, None)
+    _masked_rows.pop(instance)
     output = wrapped(*args, **kwargs)
-    rows = None
-    with contextlib.suppress(TypeError):
-        rows = _masked_rows.pop(instance, None)
+    rows = _masked_rows.pop(instance)
     if rows and isinstance(output, dict) and "old_logps" in output:  # RLOO: its loss reads completion_mask alone
         output["completion_mask"][rows] = 0
         output["old_logps"][rows] = 0.0  # sum(old_per_token_logps * completion_mask) of a masked row
     return output
 
 
-class _NotOursToReport(logging.Filter):
-    """TRL's "All reward functions returned None" blames the user's reward functions for a row the guard masked."""
+class _UserNones:
+    """What the user's own reward functions returned None for, row by row, seen before the guard blanks its rows."""
+
+    def __init__(self, functions: int, masked: list[int]) -> None:
+        self.functions = functions
+        self.masked = set(masked)
+        self.none_rows: list[set[int]] = []
+        self.completions: list[Any] = []
+
+    def saw(self, rewards: list[Any], kwargs: dict[str, Any]) -> None:
+        self.none_rows.append({row for row, reward in enumerate(rewards) if reward is None})
+        self.completions = list(kwargs.get("completions") or self.completions)
+
+    def rows(self) -> list[int]:
+        """Rows every user reward function left unscored (a reward model scores every row)."""
+        if len(self.none_rows) < self.functions or not self.none_rows:
+            return []
+        return sorted(set.intersection(*self.none_rows) - self.masked)
+
+
+class _OnlyOursHidden(logging.Filter):
+    """TRL warns once per call about the first row all reward functions returned None for. Where that row is one the
+    guard masked, TRL's warning is about the guard, not the user's functions: hidden. A row of the user's own is
+    then named by the guard's line instead (``rewards_wrapper``)."""
+
+    def __init__(self, user: _UserNones) -> None:
+        super().__init__()
+        self.user = user
+        self.hid_users_row = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "All reward functions returned None" not in record.getMessage()  # accelerate prefixes "[RANK n]"
+        if "All reward functions returned None" not in record.getMessage():  # accelerate prefixes "[RANK n]"
+            return True
+        users = self.user.rows()
+        if users and users[0] < min(self.user.masked):
+            return True  # TRL names the user's own row: its warning stands
+        self.hid_users_row = bool(users)
+        return False
 
 
-def _scored_none(func: Any, rows: list[int], hooks: list[Any]) -> Any:
+def _scored_none(func: Any, rows: list[int], hooks: list[Any], user: _UserNones) -> Any:
     """``func`` as TRL calls it, scoring None (NaN for a reward model) on ``rows``."""
     import torch
 
-    def blank(rewards: list[Any]) -> list[Any]:
+    def blank(rewards: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        user.saw(rewards, kwargs)
         return [None if row in rows else reward for row, reward in enumerate(rewards)]
 
     if isinstance(func, torch.nn.Module):  # TRL reads .logits[:, 0], under inference_mode
@@ -300,33 +337,33 @@ def _scored_none(func: Any, rows: list[int], hooks: list[Any]) -> Any:
         def nan_rows(module: Any, args: Any, output: Any) -> None:
             output.logits[rows] = torch.nan
 
+        user.none_rows.append(set())  # a model scores every row
         hooks.append(func.register_forward_hook(nan_rows))
         return func
     if inspect.iscoroutinefunction(func):
 
         async def scored_async(**kwargs: Any) -> list[Any]:
-            return blank(await func(**kwargs))
+            return blank(await func(**kwargs), kwargs)
 
         return scored_async
 
     def scored(**kwargs: Any) -> list[Any]:
-        return blank(func(**kwargs))
+        return blank(func(**kwargs), kwargs)
 
     return scored
 
 
 def rewards_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The trainer's ``_calculate_rewards``: masked rows are unscorable before TRL gathers the rewards of all ranks."""
-    rows = None
-    with contextlib.suppress(TypeError):
-        rows = _masked_rows.get(instance)
+    rows = _masked_rows.get(instance)
     if not rows:
         return wrapped(*args, **kwargs)
     funcs = instance.reward_funcs
     hooks: list[Any] = []
+    user = _UserNones(len(funcs), rows)
     trl_logger = logging.getLogger(getattr(wrapped, "__module__", None) or "trl")
-    quiet = _NotOursToReport()
-    instance.reward_funcs = [_scored_none(func, rows, hooks) for func in funcs]
+    quiet = _OnlyOursHidden(user)
+    instance.reward_funcs = [_scored_none(func, rows, hooks, user) for func in funcs]
     trl_logger.addFilter(quiet)
     try:
         return wrapped(*args, **kwargs)
@@ -335,6 +372,52 @@ def rewards_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         instance.reward_funcs = funcs
         for hook in hooks:
             hook.remove()
+        if quiet.hid_users_row:
+            row = user.rows()[0]
+            completion = user.completions[row] if row < len(user.completions) else "?"
+            LOGGER.warning(
+                "All reward functions returned None for row %d (completion: %r). Please ensure that at least one "
+                "reward function returns a valid reward. (TRL's own warning named a row the guard masked instead.)",
+                row,
+                completion,
+            )
+
+
+def scope(trainer: Any) -> str | None:
+    if not placeholder_tokens(trainer):
+        return "its processing class defines no vision placeholder token (a text-only model)"
+    return None
+
+
+def selftest(context: Any, family: str) -> Any:
+    """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
+    import torch
+
+    from ..selftest.batch_scoring import score_batch
+    from ..selftest.fixtures import mixed_rows
+    from ..selftest.runner import off_then_on
+
+    trainer = context.trainer(family, "loving")
+    banned = set(placeholder_tokens(trainer))
+    with torch.no_grad():
+        trainer.model.lm_head.weight[sorted(banned)] *= 50.0
+    rows = mixed_rows(((96, 64, "cats"), (96, 64, "dogs")))  # equal lengths: this check needs no realign
+
+    def measure() -> str | int:
+        torch.manual_seed(0)
+        try:
+            out, _ = score_batch(trainer, rows)
+        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+            return f"{type(error).__name__}: {str(error)[:80]}"
+        return sum(bool(banned & set(row.tolist())) for row in out["completion_ids"])
+
+    def bug(outcome: str | int) -> tuple[bool, str]:
+        return isinstance(outcome, str) or outcome > 0, f"fix off: a placeholder-loving policy's rollout: {outcome}"
+
+    def fix(outcome: str | int) -> tuple[bool, str]:
+        return outcome == 0, f"fix on: scored, {outcome} completions holding a placeholder"
+
+    return off_then_on("vision_token_guard", measure, bug, fix)
 
 
 FIX = Fix(
@@ -352,4 +435,8 @@ FIX = Fix(
         # trl vllm-serve's engine (only where vLLM is installed: its absence is not a skip)
         Target("vllm.entrypoints.llm", "LLM.generate", server_ban_wrapper, optional=True),
     ),
+    settings=(BAN,),
+    counters=(VISION_TOKEN_ROWS_MASKED,),
+    selftest=selftest,
+    scope=scope,
 )

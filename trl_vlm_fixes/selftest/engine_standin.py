@@ -288,6 +288,7 @@ class StandInLLM:
             ),
         )
         self.llm_engine.caches = self.caches
+        self.llm_engine.vllm_config = built_config(kwargs)
         self._sampler: Any = None
         self.sampling: str | None = None  # "vllm" once vLLM's Sampler sampled, else why it could not
         config = Path(model) / "config.json"
@@ -424,6 +425,33 @@ class StandInLLM:
             return ids
         self.mm_processing = "vllm"
         return processed
+
+
+def built_config(kwargs: dict[str, Any]) -> Any:
+    """``llm.llm_engine.vllm_config`` as a GPU engine resolves the arguments (what the engine fixes read back):
+    vLLM's own ``CompilationConfig`` of the ``compilation_config`` given; no ``cudagraph_mode`` is vLLM's GPU default,
+    ``FULL_AND_PIECEWISE`` (measured on an H200); ``enforce_eager=True`` makes it ``NONE`` (``VllmConfig.__post_init__``
+    in vLLM 0.25.1); ``gdn_prefill_backend`` goes to ``additional_config`` (``EngineArgs.create_engine_config``). On
+    the CPU vLLM's own ``VllmConfig`` would resolve every mode to NONE (no CUDA graphs there), hence this model."""
+    from types import SimpleNamespace
+
+    given = kwargs.get("compilation_config")
+    mode: Any = None
+    try:
+        from vllm.config import CompilationConfig, CUDAGraphMode
+
+        config = CompilationConfig(**given) if isinstance(given, dict) else given
+        mode = getattr(config, "cudagraph_mode", None)
+        if mode is None or kwargs.get("enforce_eager"):
+            mode = CUDAGraphMode.NONE if kwargs.get("enforce_eager") else CUDAGraphMode.FULL_AND_PIECEWISE
+    except ImportError:
+        mode = SimpleNamespace(name="NONE" if kwargs.get("enforce_eager") else "FULL_AND_PIECEWISE")
+    backend = kwargs.get("gdn_prefill_backend")
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        model_config=SimpleNamespace(enforce_eager=bool(kwargs.get("enforce_eager"))),
+        additional_config={"gdn_prefill_backend": backend} if backend else {},
+    )
 
 
 def _default_sampling_params() -> Any:

@@ -7,111 +7,64 @@ crashes with ``shape mismatch`` or silently assigns wrong vision positions. The 
 ``_get_per_token_logps_and_entropies``, the one place every scoring pass (old, ref and policy log-probs) goes
 through, so the markers are aligned by construction wherever they are used.
 
-It acts only for the model families whose markers it is proven to rebuild exactly (image pad -> 1, video pad -> 2,
-else 0, with distinct image and video pad tokens): Qwen3.5, Qwen3-VL and Qwen2.5-VL. Any other family (other marker
+It acts for the models whose markers it is proven to rebuild exactly (image pad -> 1, video pad -> 2, else 0, with
+distinct image and video pad tokens): those whose ``get_rope_index`` is Qwen3.5's (shared line for line by Qwen3.5
+MoE, Qwen3-VL and Qwen3-VL MoE) or Qwen2.5-VL's (``vision_tokens.markers_problem``). Any other model (other marker
 values, such as Gemma 4's audio 3, or one placeholder shared by images and videos, such as GLM-4V) keeps TRL's markers,
 and one log line says so.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ... import metrics
 from ...call_arguments import bind
+from ...declaration import Counter, Fix, on_trainers
 from ...log_once import warn_once
-from ...registry import Fix, on_trainers
+from ...logs import fix_logger
+from ...owner_state import OwnerState
+from ...vision_tokens import VisionTokens, markers_problem, model_type, vision_tokens
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
 
 _TARGET_METHOD = "_get_per_token_logps_and_entropies"
 _REQUIRED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "num_images", "logits_to_keep")
-# model_type of the families whose markers are rebuilt exactly (each proven by a test: crash or misscore upstream,
-# exact per-row scores with the fix)
-PROVEN_FAMILIES = frozenset({"qwen3_5", "qwen3_vl", "qwen2_5_vl"})
-
-_pad_ids_cache: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None, int]] = weakref.WeakKeyDictionary()
+REALIGNED_ROWS = Counter("trl_vlm_fixes/mm_realigned_rows")
+_resolved: OwnerState[VisionTokens] = OwnerState(lambda: VisionTokens(None, None))
 
 
-def _unwrap_model(model: Any) -> Any:
-    while hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
-
-
-def model_family(model: Any) -> str | None:
-    return getattr(getattr(_unwrap_model(model), "config", None), "model_type", None)
-
-
-def _token_id(tokenizer: Any, token: str) -> int | None:
-    if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):
-        return None
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
-        return None
-    return int(token_id)
-
-
-def _first_int(*candidates: Any) -> int | None:
-    return next((int(c) for c in candidates if isinstance(c, int) and not isinstance(c, bool)), None)
-
-
-def resolve_vision_ids(trainer: Any, model: Any) -> tuple[int | None, int | None, int]:
-    """(image pad id, video pad id, spatial merge size).
-
-    The processor's own ``image_token_id`` / ``video_token_id`` are authoritative; then TRL's guess (the trainer's
-    ``_image_pad_token_id``), the tokenizer's Qwen tokens, the model config. Only a successful resolution is cached.
-    """
-    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is never cached
-        cached = _pad_ids_cache.get(trainer)
-        if cached is not None:
-            return cached
-    processor = getattr(trainer, "processing_class", None)
-    tokenizer = getattr(processor, "tokenizer", processor)
-    config = getattr(_unwrap_model(model), "config", None)
-    image_id = _first_int(
-        getattr(processor, "image_token_id", None),
-        getattr(trainer, "_image_pad_token_id", None),
-        _token_id(tokenizer, "<|image_pad|>"),
-        getattr(config, "image_token_id", None),
-    )
-    video_id = _first_int(
-        getattr(processor, "video_token_id", None),
-        getattr(trainer, "_video_pad_token_id", None),
-        _token_id(tokenizer, "<|video_pad|>"),
-        getattr(config, "video_token_id", None),
-    )
-    merge_size = _first_int(
-        getattr(getattr(processor, "image_processor", None), "merge_size", None),
-        getattr(getattr(config, "vision_config", None), "spatial_merge_size", None),
-    )
-    resolved = (image_id, video_id, merge_size or 2)
-    if image_id is None and video_id is None:
+def resolve_vision_ids(trainer: Any, model: Any) -> VisionTokens:
+    """The trainer's vision token ids (``vision_tokens``: the processor's own first); only a found id is cached."""
+    cached = _resolved.get(trainer)
+    if cached is not None:
+        return cached
+    found = vision_tokens(getattr(trainer, "processing_class", None), model, trainer)
+    if found.image is None and found.video is None:
         LOGGER.warning(
-            "trl_vlm_fixes.mm_realign: no image or video pad token id is known for %s (processor, trainer, tokenizer "
-            "and model config give none); mm_token_type_ids are left as TRL built them.",
+            "no image or video pad token id is known for %s (processor, trainer, tokenizer and model config give "
+            "none); mm_token_type_ids are left as TRL built them.",
             type(trainer).__name__,
         )
-        return resolved
-    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced is simply not cached
-        _pad_ids_cache[trainer] = resolved
-    return resolved
+        return found
+    _resolved.set(trainer, found)
+    return found
 
 
-def _steps_aside(family: str | None, image_id: int | None, video_id: int | None) -> str | None:
+def _steps_aside(model: Any, tokens: VisionTokens) -> str | None:
     """Why the markers of this model cannot be rebuilt exactly, or None."""
-    if family not in PROVEN_FAMILIES:
-        proven = ", ".join(sorted(PROVEN_FAMILIES))
-        return f"model type {family!r} is not one whose markers it rebuilds exactly ({proven})"
-    if image_id is not None and image_id == video_id:
+    if problem := markers_problem(model):
+        return problem
+    if tokens.image is not None and tokens.image == tokens.video:
         return "images and videos share one placeholder token, so the markers cannot be told apart"
     return None
+
+
+def scope(trainer: Any) -> str | None:
+    """Where this trainer's model keeps TRL's markers (see ``_steps_aside``)."""
+    model = getattr(trainer, "model", None)
+    return _steps_aside(model, vision_tokens(getattr(trainer, "processing_class", None), model, trainer))
 
 
 def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -121,14 +74,13 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     if markers is None or input_ids is None:
         return wrapped(*args, **kwargs)
     model = bound.arguments.get("model")
-    image_id, video_id, merge_size = resolve_vision_ids(instance, model)
-    if image_id is None and video_id is None:
+    tokens = resolve_vision_ids(instance, model)
+    if tokens.image is None and tokens.video is None:
         return wrapped(*args, **kwargs)
-    family = model_family(model)
-    reason = _steps_aside(family, image_id, video_id)
+    reason = _steps_aside(model, tokens)
     if reason:
         warn_once(
-            ("mm_realign steps aside", type(instance).__name__, family),
+            ("mm_realign steps aside", type(instance).__name__, model_type(model)),
             "trl_vlm_fixes.mm_realign steps aside for %s: %s; mm_token_type_ids are left as TRL built them.",
             type(instance).__name__,
             reason,
@@ -137,13 +89,13 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     from .realign import VisionCountCheck, changed_rows, realign_prompt_markers  # torch: only once TRL runs
 
     prompt_columns = input_ids.size(1) - int(bound.arguments.get("logits_to_keep") or 0)
-    realigned = realign_prompt_markers(input_ids, markers, prompt_columns, image_id, video_id)
-    metrics.count(instance, metrics.REALIGNED_ROWS, changed_rows(markers, realigned))
+    realigned = realign_prompt_markers(input_ids, markers, prompt_columns, tokens.image, tokens.video)
+    metrics.count(instance, REALIGNED_ROWS, changed_rows(markers, realigned))
     bound.arguments["mm_token_type_ids"] = realigned
     grid = bound.arguments.get("image_grid_thw")
     check = None
     if grid is not None and bound.arguments.get("pixel_values") is not None:
-        check = VisionCountCheck(realigned, grid, bound.arguments.get("num_images"), merge_size)
+        check = VisionCountCheck(realigned, grid, bound.arguments.get("num_images"), tokens.merge)
     try:
         result = wrapped(*bound.args, **bound.kwargs)
     except Exception as error:
@@ -155,9 +107,53 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return result
 
 
+CRASHING_ORDER = (0, 1, 2, 3)
+SILENT_ORDER = (3, 2, 1, 0)
+INVARIANCE_TOLERANCE = 1e-5
+
+
+def selftest(context: Any, family: str) -> Any:
+    """The mixed image batch (four image sizes, four prompt lengths) scored in two orders: it crashes or is scored
+    away from each row alone upstream; with the fix every row gets what it gets alone."""
+    from ...selftest.batch_scoring import max_batch_vs_alone_gap
+    from ...selftest.fixtures import mixed_rows
+    from ...selftest.runner import off_then_on
+
+    trainer, processor = context.trainer(family), context.processor(family)
+    rows = mixed_rows()
+
+    def measure() -> dict[str, Any]:
+        outcome: dict[str, Any] = {}
+        for label, order in (("crashing", CRASHING_ORDER), ("silent", SILENT_ORDER)):
+            try:
+                outcome[label] = max_batch_vs_alone_gap(trainer, processor, [rows[i] for i in order])
+            except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+                outcome[label] = f"{type(error).__name__}: {str(error)[:90]}"
+        return outcome
+
+    def describe(outcome: dict[str, Any]) -> str:
+        return ", ".join(
+            f"{label} batch {value if isinstance(value, str) else f'log-probs off by {value:.1e} from each row alone'}"
+            for label, value in outcome.items()
+        )
+
+    def bug(outcome: dict[str, Any]) -> tuple[bool, str]:
+        wrong = [v for v in outcome.values() if isinstance(v, str) or v > 1e-3]
+        return bool(wrong), f"fix off: {describe(outcome)}"
+
+    def fix(outcome: dict[str, Any]) -> tuple[bool, str]:
+        ok = all(isinstance(v, float) and v <= INVARIANCE_TOLERANCE for v in outcome.values())
+        return ok, f"fix on: {describe(outcome)}"
+
+    return off_then_on("mm_realign", measure, bug, fix)
+
+
 FIX = Fix(
     name="mm_realign",
-    summary="rebuild mm_token_type_ids from the input_ids the model sees (Qwen3.5, Qwen3-VL, Qwen2.5-VL)",
+    summary="rebuild mm_token_type_ids from the input_ids the model sees (Qwen3.5, Qwen3-VL, Qwen2.5-VL; also MoE)",
     packages=("trl",),
     targets=on_trainers({_TARGET_METHOD: realign_wrapper}, required_parameters=_REQUIRED),
+    counters=(REALIGNED_ROWS,),
+    selftest=selftest,
+    scope=scope,
 )

@@ -44,12 +44,14 @@ from typing import Any
 
 from ... import metrics
 from ...call_arguments import bind
+from ...declaration import Counter, Fix, Target, on_trainers
 from ...log_once import warn_once
-from ...registry import Fix, Target, on_trainers
+from ...logs import fix_logger
 from ...source_shape import function_tree, string_constants
 from .distribution import SamplingDistribution, effective_settings, read_distribution
 
-LOGGER = logging.getLogger("trl_vlm_fixes")
+LOGGER = fix_logger(__name__)
+SAMPLING_KEPT_MASS = Counter("trl_vlm_fixes/sampling_kept_mass", kind="mean")
 _GENERATION_MODULE = "trl.generation.vllm_generation"
 _SCORING = "_get_per_token_logps_and_entropies"
 _ROLLOUT = "_generate_and_score_completions"
@@ -273,35 +275,31 @@ def _hand_on(trainer: Any, rollout: _Rollout, output: dict[str, Any]) -> None:
     sampling = output.get("sampling_per_token_logps")
     if sampling is not None and sampling.shape == shift.shape:
         output["sampling_per_token_logps"] = sampling - shift
-    metrics.count_mean(trainer, metrics.SAMPLING_KEPT_MASS, (rollout.log_kept.exp() * mask).sum(), mask.sum())
+    metrics.count_mean(trainer, SAMPLING_KEPT_MASS, (rollout.log_kept.exp() * mask).sum(), mask.sum())
 
 
 def _step_aside(trainer: str, reason: str, level: int) -> None:
-    key = ("sampling_parity steps aside", trainer, reason)
-    message = (
-        f"trl_vlm_fixes.sampling_parity steps aside for {trainer}: {reason}. The importance-sampling ratio is TRL's "
-        "(it includes the share of the distribution vLLM's settings cut)."
+    warn_once(
+        ("sampling_parity steps aside", trainer, reason),
+        "steps aside for %s: %s. The importance-sampling ratio is TRL's (it includes the share of the distribution "
+        "vLLM's settings cut).",
+        trainer,
+        reason,
+        logger=LOGGER,
+        level=level,
     )
-    if level >= logging.WARNING:
-        warn_once(key, message)
-    elif key not in _said:
-        _said.add(key)
-        LOGGER.info(message)
-
-
-_said: set[Any] = set()
 
 
 def _announce(distribution: SamplingDistribution) -> None:
-    key = ("sampling_parity acts", distribution)
-    if key not in _said:
-        _said.add(key)
-        LOGGER.info(
-            "trl_vlm_fixes.sampling_parity: the importance-sampling ratio compares vLLM's processed log-probs with the "
-            "trainer's of the same distribution (%s); kept share per token in %s.",
-            distribution.describe(),
-            metrics.SAMPLING_KEPT_MASS,
-        )
+    warn_once(
+        ("sampling_parity acts", distribution),
+        "the importance-sampling ratio compares vLLM's processed log-probs with the trainer's of the same "
+        "distribution (%s); kept share per token in %s.",
+        distribution.describe(),
+        SAMPLING_KEPT_MASS.name,
+        logger=LOGGER,
+        level=logging.INFO,
+    )
 
 
 # --- what this TRL does (read from its source) --------------------------------------------------------------------
@@ -355,6 +353,65 @@ def _calls_scoring(node: ast.AST) -> bool:
 
 _CHECKS: dict[str, Any] = {"shape_problem": _old_logps_first, "upstream_fixed": _no_ratio}
 
+def scope(trainer: Any) -> str | None:
+    """Where this trainer computes no ratio against vLLM's log-probs (RLOO: none at all; see ``_no_ratio``)."""
+    if reason := _trainer_steps_aside(trainer):
+        return reason
+    method = getattr(type(trainer), _ROLLOUT, None)
+    return _no_ratio(getattr(method, "__wrapped__", method)) if method is not None else "it has no rollout to score"
+
+
+def selftest(context: Any, family: str) -> Any:
+    """One GRPO step in colocate mode on the engine stand-in, which samples through vLLM's own Sampler with top_k=5
+    from the trainer's own weights: TRL's importance-sampling weight of each completion, upstream and with the fix."""
+    import os
+
+    from transformers import PrinterCallback
+
+    from ...selftest.fixtures import build_trainer, text_dataset
+    from ...selftest.rollout_schedule import standin_engine_installed
+    from ...selftest.runner import off_then_on
+
+    def measure() -> dict[str, float] | str:
+        try:
+            with standin_engine_installed():
+                trainer = build_trainer(
+                    context.model_dir(family),
+                    context.processor(family),
+                    os.path.join(context.workdir, f"sampling-{family}"),
+                    use_vllm=True,
+                    vllm_mode="colocate",
+                    max_steps=1,
+                    max_completion_length=16,
+                    generation_kwargs={"top_k": 5, "seed": 0},
+                    disable_tqdm=True,
+                    dataset=text_dataset(),  # equal-length prompts: no other fix is needed to score them
+                )
+                trainer.remove_callback(PrinterCallback)  # --json: stdout carries the report alone
+                trainer.train()
+        except ImportError as error:  # no vLLM here: nothing samples as vLLM does
+            return f"vLLM's Sampler is not importable here ({error})"
+        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
+            return f"{type(error).__name__}: {str(error)[:90]}"
+        return next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)
+
+    def weight(outcome: dict[str, float]) -> float:
+        return outcome["sampling/importance_sampling_ratio/mean"]
+
+    def bug(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
+        if isinstance(outcome, str):
+            return None, outcome
+        return weight(outcome) < 0.9, f"fix off: top_k=5 gives a mean importance weight of {weight(outcome):.3g}"
+
+    def fix(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
+        if isinstance(outcome, str):
+            return None, outcome
+        kept = outcome.get(SAMPLING_KEPT_MASS.name, float("nan"))
+        return abs(weight(outcome) - 1.0) < 1e-5, f"fix on: {weight(outcome):.6f} (kept share per token {kept:.2f})"
+
+    return off_then_on("sampling_parity", measure, bug, fix)
+
+
 FIX = Fix(
     name="sampling_parity",
     summary="the importance-sampling ratio compares vLLM's processed log-probs with the trainer's of the same "
@@ -364,4 +421,7 @@ FIX = Fix(
         *on_trainers({_ROLLOUT: rollout_wrapper, _SCORING: scoring_wrapper}, **_CHECKS),
         Target(_GENERATION_MODULE, "VLLMGeneration.generate", record_wrapper, required_parameters=("prompts",)),
     ),
+    counters=(SAMPLING_KEPT_MASS,),
+    selftest=selftest,
+    scope=scope,
 )
