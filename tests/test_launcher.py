@@ -137,6 +137,31 @@ def test_the_bootstrap_under_two_names_is_skipped_before_the_user_sitecustomize(
     assert started.stdout == "user sitecustomize\nran\n"
 
 
+def test_nested_launchers_of_two_installations_run_the_user_sitecustomize_once(tmp_path: Path) -> None:
+    """`trl-vlm-fixes run -- script` where the script runs another installation's launcher: both bootstrap folders
+    are on PYTHONPATH; each passes over every plugin bootstrap, so none runs the other (before: RecursionError, then
+    KeyError: 'sitecustomize') and the user's sitecustomize runs exactly once."""
+    import shutil
+
+    import trl_vlm_fixes
+
+    other = tmp_path / "other-install"
+    shutil.copytree(Path(trl_vlm_fixes.__file__).parent, other / "trl_vlm_fixes")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('user sitecustomize')\n")
+    # the script starts the other installation's launcher (its own file: this process imported ours already)
+    final = 'import sys; print(\"ran\", sys.modules[\"trl_vlm_fixes\"].ACTIVATION)'
+    inner = f"import runpy, sys; run = runpy.run_path({str(other / 'trl_vlm_fixes' / 'launcher.py')!r})['run']; "
+    inner += f"run(['--', sys.executable, '-c', '{final}'])"
+    started = run([*launcher(), "run", "--", sys.executable, "-c", inner], env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert "RecursionError" not in started.stderr and "KeyError" not in started.stderr
+    # once in each of the three Python processes: the launcher's own, the script, the final command
+    assert started.stdout.count("user sitecustomize") == 3
+    assert started.stdout.splitlines()[-1] == "ran launcher"
+
+
 def test_run_without_a_command_or_with_an_unknown_one_says_so(tmp_path: Path) -> None:
     empty = run([*launcher(), "run"], cwd=tmp_path)
     assert empty.returncode == 2 and "no command given" in empty.stderr

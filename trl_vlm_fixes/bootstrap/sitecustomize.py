@@ -2,7 +2,9 @@
 
 The launcher puts this folder first on ``PYTHONPATH``, as ddtrace-run and opentelemetry-instrument do: Python imports
 ``sitecustomize`` at start-up, so the fixes attach before the program imports TRL. A ``sitecustomize`` that was
-already on the path is found and run afterwards. A failure to load the fixes is one line on stderr and the program
+already on the path is found and run afterwards, once: every trl_vlm_fixes bootstrap folder on the path (another
+installation's launcher nested in this one's, or the reverse) is passed over, so none runs another and the user's
+runs once. A failure to load the fixes is one line on stderr and the program
 runs without them; with TRL_VLM_FIXES_STRICT=1 the same line ends the process with exit status 1. It must end it
 with ``os._exit``: site.py prints and swallows any ``Exception`` from here, and a ``SystemExit`` becomes a fatal
 "Failed to import the site module" with a traceback.
@@ -55,10 +57,20 @@ def _activate() -> None:
         )
 
 
+def _is_bootstrap(entry: str) -> bool:
+    """A trl_vlm_fixes bootstrap folder, of this installation or another: ``.../trl_vlm_fixes/bootstrap``."""
+    real = os.path.realpath(entry or os.getcwd())
+    return real == _HERE or (
+        os.path.basename(real) == "bootstrap"
+        and os.path.basename(os.path.dirname(real)) == "trl_vlm_fixes"
+        and os.path.isfile(os.path.join(real, "sitecustomize.py"))
+    )
+
+
 def _run_the_next_sitecustomize() -> None:
-    """The ``sitecustomize`` that would have run without us (a site-wide or virtualenv one), if any."""
+    """The ``sitecustomize`` that would have run without us (a site-wide, virtualenv or user one), if any."""
     ours = sys.modules.pop("sitecustomize", None)
-    path = [entry for entry in sys.path if os.path.realpath(entry or os.getcwd()) != _HERE]
+    path = [entry for entry in sys.path if not _is_bootstrap(entry)]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         if ours is not None:
