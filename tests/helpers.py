@@ -62,17 +62,28 @@ def gdn_prefill_acts() -> bool:
 
 
 def expected_states() -> dict[str, str]:
-    """Every fix's state once TRL is imported, with default switches, on this TRL and vLLM."""
-    return {
-        "mm_realign": "applied",
-        "prompt_parity": "applied",
-        "sampling_parity": "applied",
-        "reload_skip": expected_reload_skip_state(),
-        "cudagraph": "applied",
-        "gdn_prefill": "applied" if gdn_prefill_acts() else "not-needed",
-        "vision_token_guard": "applied",
-        "watchdog": "applied",
-    }
+    """Every fix's state once TRL is imported, with default switches, on this TRL and vLLM: read from each fix's
+    declaration (its targets' own upstream checks on the installed code), so a new fix adds nothing here. The tests of
+    each fix check its not-needed cases against facts read independently (above)."""
+    import importlib
+
+    from trl_vlm_fixes.patches import ALL_FIXES
+
+    states = {}
+    for fix in ALL_FIXES:
+        needed = []
+        for target in fix.targets:
+            try:
+                module = importlib.import_module(target.module)
+            except ImportError:
+                continue
+            owner_name, _, attribute = target.qualname.rpartition(".")
+            owner = getattr(module, owner_name, None) if owner_name else module
+            function = vars(owner).get(attribute) if owner is not None else None
+            if function is not None:
+                needed.append(target.upstream_fixed(getattr(function, "__wrapped__", function)) is None)
+        states[fix.name] = "applied" if any(needed) else "not-needed"
+    return states
 
 
 @functools.cache
@@ -84,7 +95,7 @@ def upstream_suppresses_image_token() -> bool:
 
 
 @functools.cache
-def server_builds_engine_in_llm_worker() -> bool:
+def server_engine_build_problem_in_llm_worker() -> bool:
     """TRL 1.9.1's `trl vllm-serve` builds its engine in `llm_worker`, where the engine fixes reach it."""
     import trl.scripts.vllm_serve as vllm_serve
 
@@ -227,3 +238,18 @@ def module_from_source(directory: Path, name: str, source: str) -> Iterator[Modu
         yield module
     finally:
         del sys.modules[name]
+
+
+
+def _declared_counters() -> Any:
+    """Every fix's declared counter, by its metric name in capitals (``counters.MM_REALIGNED_ROWS``)."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import ALL_FIXES
+
+    return SimpleNamespace(
+        **{c.name.removeprefix("trl_vlm_fixes/").upper(): c for fix in ALL_FIXES for c in fix.counters}
+    )
+
+
+counters = _declared_counters()

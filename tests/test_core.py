@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from helpers import (
+    counters,
     environment_without_switches,
     expected_reload_skip_state,
     expected_states,
@@ -20,7 +21,7 @@ from helpers import (
     last_json,
     module_from_source,
     run_python,
-    server_builds_engine_in_llm_worker,
+    server_engine_build_problem_in_llm_worker,
     upstream_reloads_from_disk,
 )
 
@@ -378,14 +379,14 @@ def test_metric_counters_stay_bounded_and_exact() -> None:
 
     owner = Owner()
     for step in range(10_000):
-        metrics.count(owner, metrics.REALIGNED_ROWS, torch.tensor(step % 3))
-        metrics.count(owner, metrics.WEIGHT_REPUSHES, 1)
+        metrics.count(owner, counters.MM_REALIGNED_ROWS, torch.tensor(step % 3))
+        metrics.count(owner, counters.WEIGHT_REPUSHES, 1)
     stored = metrics._counters[owner]
-    assert set(stored) == {metrics.REALIGNED_ROWS, metrics.WEIGHT_REPUSHES}
+    assert set(stored) == {counters.MM_REALIGNED_ROWS.name, counters.WEIGHT_REPUSHES.name}
     assert all(not isinstance(value, list) and getattr(value, "ndim", 0) == 0 for value in stored.values())
     assert metrics.drain(owner) == {
-        metrics.REALIGNED_ROWS: float(sum(s % 3 for s in range(10_000))),
-        metrics.WEIGHT_REPUSHES: 10_000.0,
+        counters.MM_REALIGNED_ROWS.name: float(sum(s % 3 for s in range(10_000))),
+        counters.WEIGHT_REPUSHES.name: 10_000.0,
     }
     assert metrics.drain(owner) == {}
 
@@ -464,7 +465,7 @@ def test_status_says_skipped_when_nothing_reached_the_engine_constructor(tiny_mo
 
 def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
 
-    from trl_vlm_fixes.engine_args import _builds_engine
+    from trl_vlm_fixes.engine_args import _engine_build_problem
 
     source = (
         "import vllm\nLLM = None\nclass A:\n    def spaced(self):\n        self.llm = LLM (\n            model='m')\n"
@@ -472,9 +473,9 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
         "    def attribute(self):\n        self.llm = vllm.LLM()\n"
     )
     with module_from_source(tmp_path, "drifted_builders", source) as module:
-        assert _builds_engine(module.A.spaced) is None
-        assert "no longer builds" in (_builds_engine(module.A.text_only) or "")
-        assert "no longer builds" in (_builds_engine(module.A.attribute) or "")  # we could not inject there
+        assert _engine_build_problem(module.A.spaced) is None
+        assert "no longer builds" in (_engine_build_problem(module.A.text_only) or "")
+        assert "no longer builds" in (_engine_build_problem(module.A.attribute) or "")  # we could not inject there
 
 
 # --- the engine-arguments mechanism and trainer start (engine_args.py, trainer_start.py) -------------------------
@@ -489,7 +490,7 @@ def test_non_gdn_model_engine_is_built_exactly_as_upstream(make_text_generation:
     finally:
         trl_vlm_fixes.apply()
     assert with_fixes == upstream and "compilation_config" not in with_fixes
-    lines = [r.getMessage() for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
     assert len(lines) == 1 and "exactly as upstream" in lines[0] and "no Gated-DeltaNet layers" in lines[0]
     assert ("cudagraph and gdn_prefill step aside" if gdn_prefill_acts() else "cudagraph steps aside") in lines[0]
 
@@ -502,13 +503,14 @@ sys.modules["vllm"] = None
 import trl_vlm_fixes
 from transformers import AutoProcessor
 from trl_vlm_fixes.selftest.rollout_schedule import build_generation
+from helpers import counters
 build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tiny_model_dir)!r}))
 """
     result = subprocess.run(
         [sys.executable, "-c", code], env=environment_without_switches(), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if "builds the colocated vLLM engine" in line]
+    lines = [line for line in result.stderr.splitlines() if "built the colocated vLLM engine" in line]
     assert len(lines) == 1
     assert "cudagraph_mode=PIECEWISE (" in lines[0] and "outside CUDA graphs" in lines[0]
     assert ("gdn_prefill_backend=triton (" in lines[0]) == gdn_prefill_acts()
@@ -520,7 +522,7 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
     """TRL's vllm_serve.py code run as `__main__` (python -m) or `__mp_main__` (a spawned worker) gets the arguments;
     a vllm.LLM built anywhere else is left exactly as upstream, without a line."""
     pytest.importorskip("vllm")
-    if not server_builds_engine_in_llm_worker():
+    if not server_engine_build_problem_in_llm_worker():
         pytest.skip("this TRL's vllm-serve execs vLLM's own server: the wrapper steps aside (test_launcher.py)")
     import trl.scripts.vllm_serve as vllm_serve
     import vllm.entrypoints.llm as llm_module
@@ -540,8 +542,8 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
     backend = "triton" if gdn_prefill_acts() else None
     assert [kwargs.get("gdn_prefill_backend") for kwargs in received] == [backend, backend, None]
     assert [kwargs.get("compilation_config") for kwargs in received] == [{"cudagraph_mode": "PIECEWISE"}] * 2 + [None]
-    lines = [r.getMessage() for r in caplog.records if "builds the" in r.getMessage()]
-    server_line = "trl_vlm_fixes: trl vllm-serve builds the vLLM engine with cudagraph_mode=PIECEWISE"
+    lines = [r.getMessage() for r in caplog.records if "built the" in r.getMessage()]
+    server_line = "trl_vlm_fixes: trl vllm-serve built the vLLM engine with cudagraph_mode=PIECEWISE"
     assert len(lines) == 2 and all(line.startswith(server_line) for line in lines)
 
 

@@ -100,7 +100,7 @@ def test_unknown_config_type_is_a_clear_error() -> None:
 def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         make_generation()
-    lines = [r for r in caplog.records if "builds the colocated vLLM engine" in r.getMessage()]
+    lines = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
     assert len(lines) == 1 and "cudagraph_mode=PIECEWISE" in lines[0].getMessage()
     assert "Gated-DeltaNet kernel outside CUDA graphs" in lines[0].getMessage()
 

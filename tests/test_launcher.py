@@ -261,10 +261,10 @@ SERVER = {
 
 def serve(command: list[str], model: Path, tmp_path: Path, **env: str) -> tuple[Any, list[dict[str, Any]]]:
     """Start TRL's server with the engine stand-in (``programs/serve_site``): what reached each worker's engine."""
-    from helpers import server_builds_engine_in_llm_worker
+    from helpers import server_engine_build_problem_in_llm_worker
 
     pytest.importorskip("vllm")
-    if not server_builds_engine_in_llm_worker():
+    if not server_engine_build_problem_in_llm_worker():
         pytest.skip("this TRL's vllm-serve builds its engine elsewhere: server-mode engine fixes cover TRL 1.9.1")
     records = tmp_path / "engines"
     records.mkdir()
@@ -330,10 +330,10 @@ def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_mo
     cannot reach that engine. Under the launcher the exec'd server (here it stops early: no uvicorn, no GPU) says
     once which of vLLM's flags give it their settings; with those flags given, nothing to say; without the
     launcher, silence (the engine runs without the settings)."""
-    from helpers import flashinfer_gdn_prefill_kernel_replaced, server_builds_engine_in_llm_worker
+    from helpers import flashinfer_gdn_prefill_kernel_replaced, server_engine_build_problem_in_llm_worker
 
     pytest.importorskip("vllm")
-    if server_builds_engine_in_llm_worker():
+    if server_engine_build_problem_in_llm_worker():
         pytest.skip("this TRL's vllm-serve builds LLM(...) in llm_worker, where the engine fixes reach it")
     server = [*SERVER["trl vllm-serve"], "--model", str(tiny_model_dir)]
 
@@ -444,13 +444,13 @@ def test_server_advice_reads_a_hub_model_from_the_cache_only(
 
 def test_status_says_the_engine_fixes_do_not_reach_vllms_own_server() -> None:
     """TRL >= 1.11: the server target steps aside with the reason, instead of reading `LLM.__init__ wrapped`."""
-    from helpers import server_builds_engine_in_llm_worker
+    from helpers import server_engine_build_problem_in_llm_worker
 
     pytest.importorskip("vllm")
     code = "import json, trl_vlm_fixes, vllm.entrypoints.llm; print(json.dumps(trl_vlm_fixes.status()['patches']))"
     patches = last_json_line(run([sys.executable, "-c", code]).stdout)
     detail = patches["cudagraph"]["detail"]
-    if server_builds_engine_in_llm_worker():
+    if server_engine_build_problem_in_llm_worker():
         assert "LLM.__init__ wrapped" in detail and "execs vLLM's own server" not in detail
     else:
         assert "LLM.__init__: not for `trl vllm-serve`: this TRL execs vLLM's own server" in detail, detail

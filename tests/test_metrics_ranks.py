@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import environment_without_switches
+from helpers import counters, environment_without_switches
 
 from conftest import free_port
-from trl_vlm_fixes import metrics
 
 
 def run_metrics_ranks(tmp_path: Path) -> list[Any]:
@@ -35,11 +34,11 @@ def test_each_log_reports_the_sum_over_ranks(tmp_path: Path) -> None:
     kept share: 10 tokens at 0.9 on rank 0, 30 at 0.5 on rank 1) is the mean over every rank's tokens."""
     rank0, rank1 = run_metrics_ranks(tmp_path)
     first = {
-        metrics.REALIGNED_ROWS: [8.0],
-        metrics.WEIGHT_REPUSHES: [1.0],
-        metrics.VISION_TOKEN_ROWS_MASKED: [2.0],
-        metrics.SAMPLING_KEPT_MASS: [pytest.approx((9.0 + 15.0) / 40)],
+        counters.MM_REALIGNED_ROWS.name: [8.0],
+        counters.WEIGHT_REPUSHES.name: [1.0],
+        counters.VISION_TOKEN_ROWS_MASKED.name: [2.0],
+        counters.SAMPLING_KEPT_MASS.name: [pytest.approx((9.0 + 15.0) / 40)],
     }
-    second = {metrics.PROMPT_MISMATCH_ROWS: [0.0], metrics.WEIGHT_REPUSHES: [4.0]}
+    second = {counters.PROMPT_MISMATCH_ROWS.name: [0.0], counters.WEIGHT_REPUSHES.name: [4.0]}
     assert rank0 == [first, second]
     assert rank1 == rank0  # every rank holds the same sums (all-reduce), whichever one reports

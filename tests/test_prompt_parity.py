@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ServerClientStub, module_from_source
+from helpers import ServerClientStub, counters, module_from_source
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.patches import prompt_parity
@@ -107,7 +107,7 @@ def test_upstream_engine_samples_from_doubly_expanded_prompts(
         assert pad_count(engine_ids, pad) == 2 * pad_count(trainer_ids, pad) - runs
         assert (engine_ids != trainer_ids) == (pad_count(trainer_ids, pad) > runs)  # a one-pad image survives
     assert sum(a != b for a, b in zip(sent, engine.prompts_seen, strict=True)) >= len(sent) // 2
-    assert not logged(trainer, metrics.PROMPT_MISMATCH_ROWS)  # no fix, no check
+    assert not logged(trainer, counters.PROMPT_MISMATCH_ROWS.name)  # no fix, no check
 
 
 @pytest.mark.parametrize("images_per_prompt", [1, 2])
@@ -125,7 +125,7 @@ def test_engine_samples_from_the_trainers_prompt(
     assert engine.prompts_seen == sent
     sizes = {pad_count(ids, processor.image_token_id) for ids in sent}
     assert len(sizes) >= 3, sizes  # mixed image sizes really reached the engine
-    assert logged(trainer, metrics.PROMPT_MISMATCH_ROWS) == [0.0, 0.0]
+    assert logged(trainer, counters.PROMPT_MISMATCH_ROWS.name) == [0.0, 0.0]
 
 
 # --- a tool that returns an image -------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_server_request_carries_one_pad_per_image(
     assert engine.mm_processing == "vllm"
     trainer_rows = sent[::2]  # the server generates each prompt once, n times
     assert engine.prompts_seen == trainer_rows
-    assert logged(trainer, metrics.PROMPT_MISMATCH_ROWS) == [0.0, 0.0]
+    assert logged(trainer, counters.PROMPT_MISMATCH_ROWS.name) == [0.0, 0.0]
 
 
 # --- the parity check ------------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_a_processor_setting_the_engine_never_got_is_counted_and_logged_once(
     engine = trainer.vllm_generation.llm
     differing = sum(a != b for a, b in zip(sent, engine.prompts_seen, strict=True))
     assert differing > 0
-    assert sum(logged(trainer, metrics.PROMPT_MISMATCH_ROWS)) == differing
+    assert sum(logged(trainer, counters.PROMPT_MISMATCH_ROWS.name)) == differing
     lines = [r.getMessage() for r in caplog.records if "prompt_parity: vLLM sampled" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "resize differently" in lines[0] and "vLLM " in lines[0] and "trainer " in lines[0]
@@ -324,7 +324,7 @@ def test_prompts_of_other_types_are_checked_or_named(
     monkeypatch.setattr(log_once, "_said", set())
     generation = make_generation(enable_sleep_mode=False)
     generation.generate(prompts=[(1, 2, 3), torch.tensor([4, 5])], images=None, num_generations=1)
-    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 0.0}
+    assert metrics.drain(generation) == {counters.PROMPT_MISMATCH_ROWS.name: 0.0}
     with caplog.at_level("WARNING", logger="trl_vlm_fixes"), contextlib.suppress(Exception):  # the engine's to judge
         generation.generate(prompts="not ids", images=None, num_generations=1)
     assert any("cannot read prompts of type str" in r.getMessage() for r in caplog.records)
@@ -367,7 +367,7 @@ def test_steps_aside_for_an_unproven_family_with_one_line(
     assert len(aside) == 1 and "'smolvlm'" in aside[0]
     mismatch = [r.getMessage() for r in caplog.records if "vLLM sampled" in r.getMessage()]
     assert len(mismatch) == 1 and "a second time" in mismatch[0]
-    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 2.0}
+    assert metrics.drain(generation) == {counters.PROMPT_MISMATCH_ROWS.name: 2.0}
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
@@ -406,7 +406,7 @@ def test_text_prompts_pass_untouched(make_generation: Any, recording_engine: Any
     generation = make_generation(enable_sleep_mode=False)
     generation.generate(prompts=[[1, 2, 3], [4, 5]], images=None, num_generations=1)
     assert generation.llm.prompts_seen == [[1, 2, 3], [4, 5]]
-    assert metrics.drain(generation) == {metrics.PROMPT_MISMATCH_ROWS: 0.0}
+    assert metrics.drain(generation) == {counters.PROMPT_MISMATCH_ROWS.name: 0.0}
 
 
 def test_installed_trl_sends_expanded_ids_where_expected() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ServerClientStub, upstream_suppresses_image_token
+from helpers import ServerClientStub, counters, upstream_suppresses_image_token
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.selftest.tiny_model import SPECIAL_TOKENS
@@ -87,7 +87,7 @@ def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
 
 
 def metric_values(trainer: Any) -> list[float]:
-    return [log[metrics.VISION_TOKEN_ROWS_MASKED] for log in trainer.state.log_history if "loss" in log]
+    return [log[counters.VISION_TOKEN_ROWS_MASKED.name] for log in trainer.state.log_history if "loss" in log]
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -518,7 +518,7 @@ def test_training_under_the_ban_keeps_its_gradient(
     torch.manual_seed(0)  # vLLM samples from torch's generator: the same rollout with the fix and without it
     batch = trainer._generate_and_score_completions([{"prompt": prompt}] * 4)
     counted = metrics.drain(trainer)
-    kept = counted[metrics.SAMPLING_KEPT_MASS] / counted[metrics.SAMPLING_KEPT_MASS + "/count"]
+    kept = counted[counters.SAMPLING_KEPT_MASS.name] / counted[counters.SAMPLING_KEPT_MASS.name + "/count"]
     assert not banned & set(batch["completion_ids"].flatten().tolist())  # the ban held
     _, grads = loss_and_grads(trainer, batch)
     accounted = {**batch, "importance_sampling_ratio": torch.ones_like(batch["importance_sampling_ratio"])}

@@ -107,7 +107,7 @@ def served_model_config(trainer: Any, kwargs: dict[str, Any]) -> Any:
 
         return AutoConfig.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 - an unreadable config is reported by the fixes, never a crash here
-        LOGGER.debug("trl_vlm_fixes: cannot read the config of %s: %r", path, error)
+        LOGGER.debug("cannot read the config of %s: %r", path, error)
         return None
 
 

@@ -18,24 +18,30 @@ import torch
 from accelerate import Accelerator
 
 from trl_vlm_fixes import metrics
+from trl_vlm_fixes.patches import ALL_FIXES
+
+# every fix's declared counter by its metric name in capitals, as tests/helpers.py names them
+counters = type(
+    "Counters", (), {c.name.removeprefix("trl_vlm_fixes/").upper(): c for fix in ALL_FIXES for c in fix.counters}
+)
 
 # per rank, per logging interval: (owner, counter, amount) counted before the log
 COUNTS: dict[int, list[list[tuple[str, str, Any]]]] = {
     0: [
         [
-            ("trainer", metrics.REALIGNED_ROWS, torch.tensor(3)),
-            ("generation", metrics.WEIGHT_REPUSHES, 1),
-            ("trainer", metrics.SAMPLING_KEPT_MASS, (torch.tensor(9.0), torch.tensor(10))),  # 10 tokens, 0.9 each
+            ("trainer", counters.MM_REALIGNED_ROWS.name, torch.tensor(3)),
+            ("generation", counters.WEIGHT_REPUSHES.name, 1),
+            ("trainer", counters.SAMPLING_KEPT_MASS.name, (torch.tensor(9.0), torch.tensor(10))),  # 10 tokens, 0.9 each
         ],
         [],  # this rank counts nothing in the second interval, the other does
     ],
     1: [
         [
-            ("trainer", metrics.REALIGNED_ROWS, torch.tensor(5)),
-            ("trainer", metrics.VISION_TOKEN_ROWS_MASKED, 2),
-            ("trainer", metrics.SAMPLING_KEPT_MASS, (15.0, 30)),  # 30 tokens, 0.5 each
+            ("trainer", counters.MM_REALIGNED_ROWS.name, torch.tensor(5)),
+            ("trainer", counters.VISION_TOKEN_ROWS_MASKED.name, 2),
+            ("trainer", counters.SAMPLING_KEPT_MASS.name, (15.0, 30)),  # 30 tokens, 0.5 each
         ],
-        [("generation", metrics.PROMPT_MISMATCH_ROWS, 0), ("generation", metrics.WEIGHT_REPUSHES, 4)],
+        [("generation", counters.PROMPT_MISMATCH_ROWS.name, 0), ("generation", counters.WEIGHT_REPUSHES.name, 4)],
     ],
 }
 
@@ -55,8 +61,8 @@ def main() -> int:
     for interval in COUNTS[rank]:
         for owner, name, amount in interval:
             holder = trainer if owner == "trainer" else trainer.vllm_generation
-            if name in metrics.MEANS:
-                metrics.count_mean(holder, name, *amount)
+            if name == counters.SAMPLING_KEPT_MASS.name:
+                metrics.count_mean(holder, counters.SAMPLING_KEPT_MASS, *amount)
             else:
                 metrics.count(holder, name, amount)
         metrics.flush_into_trainer_log(lambda: None, trainer, (), {})

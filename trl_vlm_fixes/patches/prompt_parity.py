@@ -33,9 +33,11 @@ from .. import metrics
 from ..call_arguments import bind
 from ..declaration import Counter, Fix, Target
 from ..log_once import warn_once
+from ..logs import fix_logger
 from ..source_shape import calls_method, function_tree, string_constants
 from ..vision_tokens import markers_problem, vision_tokens
 
+LOGGER = fix_logger(__name__)
 PROMPT_MISMATCH_ROWS = Counter("trl_vlm_fixes/prompt_mismatch_rows")
 
 _MODULE = "trl.generation.vllm_generation"
@@ -274,7 +276,7 @@ def _report(
         cause = likely_cause(engine_ids, trainer_prompt_ids, row, wanted, _image_pad_id(generation), rewritten, server)
     warn_once(
         ("prompt_parity mismatch", cause),
-        "trl_vlm_fixes.prompt_parity: vLLM sampled %d of %d rows from another prompt than the trainer scores (first: "
+        "vLLM sampled %d of %d rows from another prompt than the trainer scores (first: "
         "row %d, vLLM %d tokens, trainer %d tokens); likely cause: %s. Counted in %s; logged once per cause.",
         len(rows),
         len(trainer_prompt_ids),
@@ -283,6 +285,7 @@ def _report(
         len(trainer_ids),
         cause,
         PROMPT_MISMATCH_ROWS,
+        logger=LOGGER,
     )
 
 
@@ -311,9 +314,10 @@ def _collapsed_for_vllm(instance: Any, wrapped: Callable[..., Any], prompts: lis
     if reason:
         warn_once(
             ("prompt_parity steps aside", reason),
-            "trl_vlm_fixes.prompt_parity sends vLLM the prompts as TRL built them: %s. The parity check still counts "
+            "sends vLLM the prompts as TRL built them: %s. The parity check still counts "
             "rows whose vLLM prompt differs.",
             reason,
+            logger=LOGGER,
         )
         return None
     assert pad_id is not None  # _why_not_rewritten checked it
@@ -321,10 +325,11 @@ def _collapsed_for_vllm(instance: Any, wrapped: Callable[..., Any], prompts: lis
     if left:
         warn_once(
             ("prompt_parity runs",),
-            "trl_vlm_fixes.prompt_parity: row %d holds %d image pad runs for %d images; it goes to vLLM as built.",
+            "row %d holds %d image pad runs for %d images; it goes to vLLM as built.",
             left[0],
             count_runs(prompts[left[0]], pad_id),
             _images_in(images[left[0]]),
+            logger=LOGGER,
         )
     return sent
 
@@ -336,9 +341,9 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     if prompts is None:
         warn_once(
             ("prompt_parity unreadable", type(bound.arguments.get("prompts")).__name__),
-            "trl_vlm_fixes.prompt_parity cannot read prompts of type %s as token id lists: they go to vLLM as given "
-            "and are not checked.",
+            "cannot read prompts of type %s as token id lists: they go to vLLM as given and are not checked.",
             type(bound.arguments.get("prompts")).__name__,
+            logger=LOGGER,
         )
         return wrapped(*args, **kwargs)
     has_images = isinstance(images, list) and any(_images_in(row) for row in images)
@@ -365,8 +370,9 @@ def _warn_pads_without_images(generation: Any, prompts: list[list[int]]) -> None
     if pad_id is not None and any(pad_id in ids for ids in prompts):
         warn_once(
             ("prompt_parity pads without images",),
-            "trl_vlm_fixes.prompt_parity: a prompt holds image pad tokens but no image goes with it; vLLM reads them "
+            "a prompt holds image pad tokens but no image goes with it; vLLM reads them "
             "as plain tokens (a sampled placeholder fed back? keep vision_token_guard on).",
+            logger=LOGGER,
         )
 
 

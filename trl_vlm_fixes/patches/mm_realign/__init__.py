@@ -81,9 +81,10 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     if reason:
         warn_once(
             ("mm_realign steps aside", type(instance).__name__, model_type(model)),
-            "trl_vlm_fixes.mm_realign steps aside for %s: %s; mm_token_type_ids are left as TRL built them.",
+            "steps aside for %s: %s; mm_token_type_ids are left as TRL built them.",
             type(instance).__name__,
             reason,
+            logger=LOGGER,
         )
         return wrapped(*args, **kwargs)
     from .realign import VisionCountCheck, changed_rows, realign_prompt_markers  # torch: only once TRL runs
