@@ -50,6 +50,33 @@ print(json.dumps({{
 """
 
 
+def expected_layers() -> dict[str, int]:
+    """How many wrappers each probed method should carry: one per fix whose declaration targets it and is needed on
+    this TRL (read from the declarations: a new fix changes nothing here)."""
+    probed = {
+        "grpo": ("trl.trainer.grpo_trainer", f"GRPOTrainer.{TARGET}"),
+        "rloo": ("trl.trainer.rloo_trainer", f"RLOOTrainer.{TARGET}"),
+        "generate": ("trl.generation.vllm_generation", "VLLMGeneration.generate"),
+        "init_vllm": ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"),
+    }
+    import importlib
+
+    from trl_vlm_fixes.patches import ALL_FIXES
+
+    layers = {}
+    for key, (module_name, qualname) in probed.items():
+        owner_name, _, attribute = qualname.partition(".")
+        function = vars(getattr(importlib.import_module(module_name), owner_name))[attribute]
+        function = inspect.unwrap(function)
+        layers[key] = sum(
+            1
+            for fix in ALL_FIXES
+            for target in fix.targets
+            if (target.module, target.qualname) == (module_name, qualname) and target.upstream_fixed(function) is None
+        )
+    return layers
+
+
 @pytest.mark.parametrize(
     "before",
     [
@@ -60,14 +87,7 @@ print(json.dumps({{
 )
 def test_every_import_order_gives_the_same_patched_classes(before: str) -> None:
     report = last_json(run_python(before + "\n" + PROBE, with_vllm=before.startswith("import trl.")))
-    assert report == {
-        "grpo": 3,  # mm_realign, sampling_parity and the watchdog's scoring phase
-        "rloo": 2,  # sampling_parity is not needed there (RLOO reads no vLLM log-probs)
-        # reload_skip (where needed), prompt_parity, sampling_parity's record, the watchdog
-        "generate": int(upstream_reloads_from_disk()) + 3,
-        "init_vllm": 1 + gdn_prefill_acts(),  # cudagraph and gdn_prefill (where the kernel it avoids exists)
-        "states": expected_states(),
-    }
+    assert report == {**expected_layers(), "states": expected_states()}
 
 
 def test_plugin_import_imports_no_heavy_package_and_no_harness() -> None:
@@ -96,9 +116,7 @@ def test_double_import_and_apply_wrap_nothing_twice() -> None:
             "importlib.reload(trl_vlm_fixes)\n" + PROBE
         )
     )
-    engine_fixes = 1 + gdn_prefill_acts()
-    assert (report["grpo"], report["rloo"], report["init_vllm"]) == (3, 2, engine_fixes)  # + sampling_parity on GRPO
-    assert report["generate"] == int(upstream_reloads_from_disk()) + 3  # reload_skip, prompt_parity, sampling, watchdog
+    assert {key: report[key] for key in expected_layers()} == expected_layers()
 
 
 def _patched_methods() -> dict[tuple[type, str], Any]:
@@ -381,7 +399,8 @@ def test_metric_counters_stay_bounded_and_exact() -> None:
     for step in range(10_000):
         metrics.count(owner, counters.MM_REALIGNED_ROWS, torch.tensor(step % 3))
         metrics.count(owner, counters.WEIGHT_REPUSHES, 1)
-    stored = metrics._counters[owner]
+    stored = metrics._counters.get(owner)
+    assert stored is not None
     assert set(stored) == {counters.MM_REALIGNED_ROWS.name, counters.WEIGHT_REPUSHES.name}
     assert all(not isinstance(value, list) and getattr(value, "ndim", 0) == 0 for value in stored.values())
     assert metrics.drain(owner) == {
@@ -503,7 +522,6 @@ sys.modules["vllm"] = None
 import trl_vlm_fixes
 from transformers import AutoProcessor
 from trl_vlm_fixes.selftest.rollout_schedule import build_generation
-from helpers import counters
 build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tiny_model_dir)!r}))
 """
     result = subprocess.run(
@@ -559,3 +577,159 @@ def test_trainer_start_shows_every_final_state_once(make_trainer: Any, caplog: A
     for name in trl_vlm_fixes.status()["patches"]:
         assert f"{name}=" in lines[0]
     assert "watchdog=applied (600 s)" in lines[0]
+
+
+# --- the Python API, the declarations, the shape of a fix --------------------------------------------------------
+
+
+def test_the_python_api_wins_over_the_environment_and_reverts_one_fix() -> None:
+    report = last_json(
+        run_python(
+            """
+        import trl_vlm_fixes, trl.trainer.grpo_trainer, trl.generation.vllm_generation
+        def states():
+            return {k: v["state"] for k, v in trl_vlm_fixes.status()["patches"].items()}
+        out = {"env": states()}
+        trl_vlm_fixes.apply(watchdog=False, cudagraph={"mode": "NONE"}, vision_token_guard={"ban": "off"})
+        from trl_vlm_fixes import registry
+        out["api"] = states()
+        out["mode"] = registry.value("cudagraph", "mode")
+        out["ban"] = registry.value("vision_token_guard", "ban")
+        trl_vlm_fixes.revert("mm_realign")
+        out["reverted_one"] = states()
+        layer, modules = vars(trl.trainer.grpo_trainer.GRPOTrainer)["_get_per_token_logps_and_entropies"], []
+        while hasattr(layer, "_self_wrapper"):
+            modules.append(layer._self_wrapper.__module__)
+            layer = layer.__wrapped__
+        out["realign_wrapped"] = "trl_vlm_fixes.patches.mm_realign" in modules
+        trl_vlm_fixes.revert(); trl_vlm_fixes.apply()
+        out["kept"] = states()
+        trl_vlm_fixes.apply(mm_realign=True, watchdog=True)
+        out["back"] = states()
+        errors = []
+        for bad in ({"cudagraph": {"mode": "SOMETIMES"}}, {"cudagraph": {"modes": "NONE"}}, {"nosuchfix": True}):
+            try:
+                trl_vlm_fixes.apply(**bad)
+            except ValueError as error:
+                errors.append(str(error))
+        out["errors"] = errors
+        print(json.dumps(out))
+        """,
+            env={"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL", "TRL_VLM_FIXES_WATCHDOG": "on"},
+            with_vllm=True,
+        )
+    )
+    assert report["env"]["watchdog"] == "applied" and report["api"]["watchdog"] == "disabled"
+    assert report["mode"] == "NONE" and report["ban"] is False  # the API's value, not TRL_VLM_FIXES_CUDAGRAPH_MODE
+    assert report["reverted_one"]["mm_realign"] == "disabled" and not report["realign_wrapped"]
+    assert report["reverted_one"]["prompt_parity"] == "applied"  # the others stay applied
+    assert report["kept"]["mm_realign"] == "disabled" and report["kept"]["watchdog"] == "disabled"  # kept by apply()
+    assert report["back"] == report["env"]
+    assert "TRL_VLM_FIXES_CUDAGRAPH_MODE='SOMETIMES'" in report["errors"][0] and "PIECEWISE" in report["errors"][0]
+    assert "has no setting ['modes']" in report["errors"][1] and "['mode']" in report["errors"][1]
+    assert "no fix of that name" in report["errors"][2]
+
+
+def test_the_worked_example_in_architecture_is_a_real_declaration() -> None:
+    from trl_vlm_fixes.patches import gdn_prefill
+
+    page = (Path(__file__).parents[1] / "ARCHITECTURE.md").read_text()
+    example = page.split("The worked example is `patches/gdn_prefill.py`", 1)[1].split("```python\n", 1)[1]
+    example = example.split("```", 1)[0]
+    assert example.strip() in inspect.getsource(gdn_prefill)
+
+
+EXAMPLE_FIX = '''
+"""example_fix: added the way ARCHITECTURE.md says (a test's fix)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import metrics
+from ..declaration import Counter, Fix, on_trainers
+from ..registry import value
+from ..switches import boolean
+
+LOUD = boolean("loud", "TRL_VLM_FIXES_EXAMPLE_FIX_LOUD", False)
+CALLS = Counter("trl_vlm_fixes/example_calls")
+
+
+def log_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    metrics.count(instance, CALLS, 1)
+    return wrapped(*args, **kwargs)
+
+
+def selftest(context: Any, family: str) -> Any:
+    from ..selftest.runner import CheckResult
+
+    return CheckResult("applied", True, bool(value("example_fix", "loud")) or True, 0.0, "example")
+
+
+FIX = Fix(
+    name="example_fix",
+    summary="an example",
+    packages=("trl",),
+    targets=on_trainers({"_prepare_inputs": log_wrapper}),
+    settings=(LOUD,),
+    counters=(CALLS,),
+    selftest=selftest,
+)
+'''
+
+
+def test_a_fix_added_as_architecture_says_touches_two_files_of_code(tmp_path: Path) -> None:
+    """A copy of the package gets a fix the way ARCHITECTURE.md says (its module and one line in ALL_FIXES): its
+    switch, setting validation, status, the API, its counter summed over ranks, the self-test, the tests' expected
+    states and CI's count all pick it up with nothing else touched."""
+    import shutil
+
+    package = tmp_path / "trl_vlm_fixes"
+    shutil.copytree(Path(trl_vlm_fixes.__file__).parent, package)
+    (package / "patches" / "example_fix.py").write_text(EXAMPLE_FIX)
+    listing = package / "patches" / "__init__.py"
+    text = listing.read_text()
+    text = text.replace("from . import (\n", "from . import (\n    example_fix,\n")
+    listing.write_text(text.replace("= (\n    mm_realign.FIX", "= (\n    example_fix.FIX,\n    mm_realign.FIX"))
+    probe = f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r}); sys.path.insert(1, {str(Path(__file__).parent)!r})
+        import trl_vlm_fixes, trl.trainer.grpo_trainer
+        assert trl_vlm_fixes.__file__.startswith({str(tmp_path)!r})
+        from trl_vlm_fixes import metrics
+        from trl_vlm_fixes.patches import ALL_FIXES
+        from helpers import expected_states
+        out = {{"state": trl_vlm_fixes.status()["patches"]["example_fix"]["state"],
+               "switch": trl_vlm_fixes.status()["patches"]["example_fix"]["switch"],
+               "counted": [c.name for c in metrics.declared()], "fixes": len(ALL_FIXES),
+               "expected": expected_states().get("example_fix"),
+               "selftest": trl_vlm_fixes.REGISTRY.fixes["example_fix"].selftest is not None}}
+        trl_vlm_fixes.apply(example_fix=False)
+        out["api"] = trl_vlm_fixes.status()["patches"]["example_fix"]["state"]
+        print(json.dumps(out))
+    """
+    report = last_json(run_python(probe, with_vllm=True))
+    assert report["state"] == "applied" and report["switch"] == "TRL_VLM_FIXES_EXAMPLE_FIX"
+    assert "trl_vlm_fixes/example_calls" in report["counted"] and report["expected"] == "applied"
+    assert report["selftest"] and report["api"] == "disabled"
+    assert report["fixes"] == len(__import__("trl_vlm_fixes.patches").patches.ALL_FIXES) + 1
+    bad = run_python(probe, env={"TRL_VLM_FIXES_EXAMPLE_FIX_LOUD": "maybe"}, with_vllm=True)
+    assert bad.returncode != 0 and "TRL_VLM_FIXES_EXAMPLE_FIX_LOUD='maybe'" in bad.stderr
+    off = last_json(run_python(probe, env={"TRL_VLM_FIXES_EXAMPLE_FIX": "0"}, with_vllm=True))
+    assert off["state"] == "disabled"
+
+
+def test_a_fix_that_does_not_act_for_the_trainer_says_stepped_aside(make_trainer: Any, caplog: Any) -> None:
+    """use_vllm off: sampling_parity and the engine fixes have nothing to act on for this trainer; status and the
+    trainer-start line say so with the reason, not "applied"."""
+    from trl_vlm_fixes import trainer_start
+
+    trainer_start._announced = False
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        make_trainer("grpo")
+    patches = trl_vlm_fixes.status()["patches"]
+    assert patches["sampling_parity"]["state"] == "stepped-aside"
+    assert "use_vllm is off" in patches["sampling_parity"]["detail"]
+    assert patches["mm_realign"]["state"] == "applied"  # the tiny Qwen3.5 is a proven family
+    line = next(r.getMessage() for r in caplog.records if "at trainer start" in r.getMessage())
+    assert "sampling_parity=stepped-aside (use_vllm is off" in line and "mm_realign=applied" in line

@@ -26,22 +26,22 @@ counters = type(
 )
 
 # per rank, per logging interval: (owner, counter, amount) counted before the log
-COUNTS: dict[int, list[list[tuple[str, str, Any]]]] = {
+COUNTS: dict[int, list[list[tuple[str, Any, Any]]]] = {
     0: [
         [
-            ("trainer", counters.MM_REALIGNED_ROWS.name, torch.tensor(3)),
-            ("generation", counters.WEIGHT_REPUSHES.name, 1),
-            ("trainer", counters.SAMPLING_KEPT_MASS.name, (torch.tensor(9.0), torch.tensor(10))),  # 10 tokens, 0.9 each
+            ("trainer", counters.MM_REALIGNED_ROWS, torch.tensor(3)),
+            ("generation", counters.WEIGHT_REPUSHES, 1),
+            ("trainer", counters.SAMPLING_KEPT_MASS, (torch.tensor(9.0), torch.tensor(10))),  # 10 tokens, 0.9 each
         ],
         [],  # this rank counts nothing in the second interval, the other does
     ],
     1: [
         [
-            ("trainer", counters.MM_REALIGNED_ROWS.name, torch.tensor(5)),
-            ("trainer", counters.VISION_TOKEN_ROWS_MASKED.name, 2),
-            ("trainer", counters.SAMPLING_KEPT_MASS.name, (15.0, 30)),  # 30 tokens, 0.5 each
+            ("trainer", counters.MM_REALIGNED_ROWS, torch.tensor(5)),
+            ("trainer", counters.VISION_TOKEN_ROWS_MASKED, 2),
+            ("trainer", counters.SAMPLING_KEPT_MASS, (15.0, 30)),  # 30 tokens, 0.5 each
         ],
-        [("generation", counters.PROMPT_MISMATCH_ROWS.name, 0), ("generation", counters.WEIGHT_REPUSHES.name, 4)],
+        [("generation", counters.PROMPT_MISMATCH_ROWS, 0), ("generation", counters.WEIGHT_REPUSHES, 4)],
     ],
 }
 
@@ -59,12 +59,12 @@ def main() -> int:
     rank = trainer.accelerator.process_index
     logged = []
     for interval in COUNTS[rank]:
-        for owner, name, amount in interval:
+        for owner, counter, amount in interval:
             holder = trainer if owner == "trainer" else trainer.vllm_generation
-            if name == counters.SAMPLING_KEPT_MASS.name:
-                metrics.count_mean(holder, counters.SAMPLING_KEPT_MASS, *amount)
+            if counter.kind == "mean":
+                metrics.count_mean(holder, counter, *amount)
             else:
-                metrics.count(holder, name, amount)
+                metrics.count(holder, counter, amount)
         metrics.flush_into_trainer_log(lambda: None, trainer, (), {})
         logged.append({name: values for name, values in trainer._metrics["train"].items()})
         trainer._metrics["train"].clear()  # as TRL's log does after reading them
