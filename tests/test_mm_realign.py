@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import QWEN_FAMILIES
 
 import trl_vlm_fixes
 from trl_vlm_fixes.patches.mm_realign.realign import VisionTokenMismatchError, rebuild_mm_token_type_ids
@@ -258,11 +259,11 @@ def test_mixed_samples_really_differ_in_length(processor: Any) -> None:
     assert len(lengths) == len(MIXED_SAMPLES)
 
 
-# --- other Qwen families: the same bug and the same exact fix; every other family is left alone ---------------
+# --- every Qwen family, dense and MoE: the same bug and the same exact fix; every other model is left alone ------
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_other_qwen_families_crash_or_misscore_upstream_and_score_exactly_with_fix(
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_every_qwen_family_crashes_or_misscores_upstream_and_scores_exactly_with_fix(
     family_model_dir: Any, tmp_path: Any, family: str
 ) -> None:
     from transformers import AutoProcessor
@@ -292,14 +293,24 @@ def test_other_qwen_families_crash_or_misscore_upstream_and_score_exactly_with_f
     assert trainer.state.global_step == 2
 
 
-def test_unproven_family_is_left_alone_with_one_log_line(
+def test_a_model_with_another_rope_index_is_left_alone_with_one_log_line(
     make_trainer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The family is decided by the code that reads the markers (``get_rope_index``), not by a name: another
+    implementation steps aside, the same code under another model type acts."""
     from trl_vlm_fixes import log_once
     from trl_vlm_fixes.patches import mm_realign
 
     trainer = make_trainer("grpo")
+    backbone = type(trainer.model.model)
+    original = backbone.get_rope_index
     monkeypatch.setattr(trainer.model.config, "model_type", "glm4v")
+    assert mm_realign.scope(trainer) is None  # a name alone changes nothing: the rope index is Qwen's
+
+    def another_rope_index(self: Any, *args: Any, **kwargs: Any) -> Any:  # other code: markers read otherwise
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(backbone, "get_rope_index", another_rope_index)
     monkeypatch.setattr(log_once, "_said", set())
     seen: list[Any] = []
     markers = torch.tensor([[0, 1, 1, 0]])
@@ -314,17 +325,26 @@ def test_unproven_family_is_left_alone_with_one_log_line(
             mm_realign.realign_wrapper(scoring, trainer, (trainer.model, ids, None, 1), {"mm_token_type_ids": markers})
     assert all(m is markers for m in seen) and len(seen) == 2
     lines = [r for r in caplog.records if "steps aside" in r.getMessage()]
-    assert len(lines) == 1 and "glm4v" in lines[0].getMessage()
+    assert len(lines) == 1 and "another get_rope_index" in lines[0].getMessage()
+    assert "another get_rope_index" in (mm_realign.scope(trainer) or "")
 
 
-def test_shared_image_and_video_placeholder_is_left_alone(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_text_model_is_left_alone(tiny_text_model_dir: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trl_vlm_fixes.vision_tokens import markers_problem
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_text_model_dir)
+    assert "has no get_rope_index" in (markers_problem(model) or "")
+
+
+def test_shared_image_and_video_placeholder_is_left_alone(make_trainer: Any) -> None:
     from trl_vlm_fixes.patches import mm_realign
+    from trl_vlm_fixes.vision_tokens import VisionTokens
 
     trainer = make_trainer("grpo")
     shared = trainer.processing_class.image_token_id
-    monkeypatch.setattr(trainer.processing_class, "video_token_id", shared)
-    monkeypatch.setattr(mm_realign, "_pad_ids_cache", type(mm_realign._pad_ids_cache)())
-    assert mm_realign._steps_aside("qwen3_5", *mm_realign.resolve_vision_ids(trainer, trainer.model)[:2])
+    assert "share one placeholder" in (mm_realign._steps_aside(trainer.model, VisionTokens(shared, shared)) or "")
 
 
 def test_processor_ids_are_authoritative_and_a_failed_lookup_is_retried(make_trainer: Any) -> None:
@@ -335,12 +355,12 @@ def test_processor_ids_are_authoritative_and_a_failed_lookup_is_retried(make_tra
     trainer = make_trainer("grpo")
     image_id = trainer.processing_class.image_token_id
     trainer._image_pad_token_id = 7  # a wrong guess of TRL's must not win over the processor
-    assert resolve_vision_ids(trainer, trainer.model)[0] == image_id
+    assert resolve_vision_ids(trainer, trainer.model).image == image_id
 
     holder = SimpleNamespace(processing_class=SimpleNamespace())
-    assert resolve_vision_ids(holder, None)[:2] == (None, None)
+    assert (resolve_vision_ids(holder, None).image, resolve_vision_ids(holder, None).video) == (None, None)
     holder.processing_class.image_token_id, holder.processing_class.video_token_id = 11, 12
-    assert resolve_vision_ids(holder, None)[:2] == (11, 12)  # not cached as unknown
+    assert (resolve_vision_ids(holder, None).image, resolve_vision_ids(holder, None).video) == (11, 12)
 
 
 def test_completion_markers_are_never_rebuilt(processor: Any) -> None:
