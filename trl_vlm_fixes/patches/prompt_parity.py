@@ -184,33 +184,54 @@ def unexpanded_prompts(
 def mismatched_rows(
     engine_prompt_ids: Sequence[Sequence[int]] | None,
     trainer_prompt_ids: list[list[int]],
-    images: list[Any] | None = None,
     pad_id: int | None = None,
+    expansion: Callable[[int], list[int] | None] | None = None,
 ) -> list[int]:
     """Rows whose prompt, as vLLM reports it, is not the trainer's (a missing report counts as a mismatch). A row the
-    caller sent with one pad per image (a ``rollout_func`` that leaves the expansion to vLLM) matches when vLLM's
-    prompt is it with those pads expanded."""
+    caller sent with one pad per image (a ``rollout_func`` that leaves the expansion to vLLM) matches when vLLM
+    expanded each of those pads to the number of tokens the trainer's processor gives that image
+    (``expansion(row)``)."""
     if engine_prompt_ids is None or len(engine_prompt_ids) != len(trainer_prompt_ids):
         return list(range(len(trainer_prompt_ids)))
     rows = []
     for row, (engine, trainer) in enumerate(zip(engine_prompt_ids, trainer_prompt_ids, strict=True)):
         engine = engine if isinstance(engine, list) else list(engine)
-        if engine != trainer and not _expanded_by_vllm(engine, trainer, _wanted(images, row), pad_id):
+        if engine != trainer and not _expanded_by_vllm(engine, trainer, pad_id, row, expansion):
             rows.append(row)
     return rows
 
 
-def _wanted(images: list[Any] | None, row: int) -> int:
-    return _images_in(images[row]) if images is not None and row < len(images) else 0
-
-
-def _expanded_by_vllm(engine: list[int], trainer: list[int], images: int, pad_id: int | None) -> bool:
-    """The caller sent each image as one pad and vLLM expanded exactly those: the intended form of the prompt."""
-    if not images or pad_id is None:
+def _expanded_by_vllm(
+    engine: list[int],
+    trainer: list[int],
+    pad_id: int | None,
+    row: int,
+    expansion: Callable[[int], list[int] | None] | None,
+) -> bool:
+    """The caller sent each image as one pad, and vLLM expanded exactly those to what each image takes."""
+    if pad_id is None or expansion is None:
         return False
     runs = pad_runs(trainer, pad_id)
-    single = len(runs) == images and all(end - start == 1 for start, end in runs)
-    return single and engine.count(pad_id) > len(runs) and collapse_runs(engine, pad_id) == trainer
+    if not runs or any(end - start != 1 for start, end in runs) or collapse_runs(engine, pad_id) != trainer:
+        return False
+    expected = expansion(row)  # read only here, for a row that differs: no image processing on the common path
+    if expected is None or len(expected) != len(runs) or any(tokens == 1 for tokens in expected):
+        return False  # an image of one token: the trainer's single pad is its full expansion, not a placeholder
+    return [end - start for start, end in pad_runs(engine, pad_id)] == expected
+
+
+def image_tokens(generation: Any, row_images: Any) -> list[int] | None:
+    """How many image pads the trainer's processor gives each image of a row, or None where it cannot say."""
+    processor = getattr(getattr(generation, "processing_class", None), "image_processor", None)
+    if processor is None or not row_images:
+        return None
+    images = list(row_images) if isinstance(row_images, list | tuple) else [row_images]
+    try:
+        grid = processor(images=images, return_tensors="pt")["image_grid_thw"]
+    except Exception:  # noqa: BLE001 - unknown: the row is then compared as it is
+        return None
+    merge = vision_tokens(getattr(generation, "processing_class", None)).merge
+    return [int(tokens) for tokens in (grid.prod(dim=-1) // (merge * merge)).tolist()]
 
 
 def likely_cause(
@@ -357,7 +378,13 @@ def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         result = wrapped(*args, **kwargs)
     engine_prompt_ids = result[0] if isinstance(result, tuple) and result else None
     pad_id = _image_pad_id(instance)
-    rows = mismatched_rows(engine_prompt_ids, prompts, images if isinstance(images, list) else None, pad_id)
+    per_row = images if isinstance(images, list) else None
+    rows = mismatched_rows(
+        engine_prompt_ids,
+        prompts,
+        pad_id,
+        lambda row: image_tokens(instance, per_row[row]) if per_row is not None and row < len(per_row) else None,
+    )
     metrics.count(instance, PROMPT_MISMATCH_ROWS, len(rows))  # 0 too: the metric shows the check ran
     if rows:
         _report(instance, rows, engine_prompt_ids, prompts, images, sent)
