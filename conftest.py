@@ -16,6 +16,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import trl_vlm_fixes
 
+pytest_plugins = ["simulated_gpu"]  # its fixture: tests/simulated_gpu.py
+
 DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import upstream_reloads_from_disk
+from helpers import QWEN_FAMILIES, upstream_reloads_from_disk
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -78,6 +78,27 @@ def schedule_steps(loop: TrainerLoop) -> list[Callable[[], None]]:
         loop.trl_generate,
         loop.trl_generate,
     ]
+
+
+@bug_present
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_every_family_runs_on_the_base_model_upstream_and_on_current_weights_with_fix(
+    family_model_dir: Callable[[str], Any], one_fix_off: Callable[[str], None], family: str
+) -> None:
+    """Every Qwen family, dense and MoE (experts included in what each rollout runs on)."""
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
+
+    model_dir = family_model_dir(family)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    fixed = TrainerLoop(build_generation(model_dir, processor))
+    run_schedule(fixed)
+    assert fixed.stale == 0 and fixed.engine.disk_reloads == 0
+    one_fix_off("reload_skip")
+    upstream = TrainerLoop(build_generation(model_dir, processor))
+    run_schedule(upstream)
+    assert upstream.stale == upstream.generates - 1 and upstream.on_checkpoint == upstream.stale
 
 
 def test_rollouts_run_on_current_weights_with_fix(make_generation: Callable[..., Any]) -> None:

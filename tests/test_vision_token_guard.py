@@ -7,12 +7,13 @@ through (ban off) its row is masked out of the loss and counted, never a crash.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import ServerClientStub, counters, upstream_suppresses_image_token
+from helpers import QWEN_FAMILIES, ServerClientStub, counters, upstream_suppresses_image_token
 
 from trl_vlm_fixes import metrics
 from trl_vlm_fixes.selftest.tiny_model import SPECIAL_TOKENS
@@ -48,7 +49,7 @@ def loving_trainer(model_dir: Path, tmp_path: Path, kind: str, **overrides: Any)
     from trl_vlm_fixes.selftest.fixtures import build_trainer
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    return build_trainer(model_dir, processor, str(tmp_path / kind), kind, max_steps=3, **overrides)
+    return build_trainer(model_dir, processor, str(tmp_path / kind), kind, **{"max_steps": 3, **overrides})
 
 
 def record_rollouts(trainer: Any) -> list[dict[str, Any]]:
@@ -106,6 +107,42 @@ def test_placeholder_loving_policy_breaks_the_run_without_the_guard(
     rollouts = record_rollouts(trainer)
     trainer.train()
     assert any(banned & set(row.tolist()) for output in rollouts for row in output["completion_ids"])
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_every_family_crashes_without_the_guard_and_trains_with_it(
+    family: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    one_fix_off: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every Qwen family, dense and MoE, with a policy that loves its placeholders (through vLLM's Sampler, colocate):
+    upstream, sampled placeholders reach the scoring pass (which crashes on an image pad, or scores the others as
+    text); with the guard no completion holds one and the run trains."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    model_dir = build_tiny_qwen35_vlm(tmp_path_factory.mktemp(f"loving-{family}"), family=family, placeholder_scale=50)
+    settings = {"use_vllm": True, "vllm_mode": "colocate", "max_steps": 1}
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    trainer = loving_trainer(model_dir, tmp_path / "on", "grpo", **settings)
+    banned = placeholder_ids(trainer.processing_class)
+    rollouts = record_rollouts(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 1 and metric_values(trainer) == [0.0]
+    assert not any(banned & set(row.tolist()) for output in rollouts for row in output["completion_ids"])
+    one_fix_off("vision_token_guard")
+    upstream = loving_trainer(model_dir, tmp_path / "off", "grpo", **settings)
+    upstream_rollouts = record_rollouts(upstream)
+    try:
+        upstream.train()
+    except (TypeError, ValueError, RuntimeError) as error:  # a sampled image pad: the scoring pass crashes
+        assert re.search(CRASH, str(error)), error
+    else:  # other placeholders (vision start/end, video pad) are scored as if they were text, silently
+        assert any(banned & set(row.tolist()) for output in upstream_rollouts for row in output["completion_ids"])
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])

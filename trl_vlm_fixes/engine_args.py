@@ -47,7 +47,7 @@ class EngineBuild:
     model_config: Any
     protected: bool = False  # the last run hung twice at one step: the fixes' protected settings, not the selected
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
-    stepped_aside: list[str] = field(default_factory=list)  # fixes that leave this engine alone (no GDN layers)
+    stepped_aside: list[tuple[str, str]] = field(default_factory=list)  # (fix, why it leaves this engine alone)
 
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
@@ -55,8 +55,10 @@ Contribution = Callable[[dict[str, Any], EngineBuild], None]
 # What the built engine really runs, read from its own config: (its setting as "name=value", warnings), or None where
 # the engine exposes no config to read (then nothing is claimed).
 ReadBack = Callable[[Any], "tuple[str, list[str]] | None"]
-# Which engines a contribution is proven for (today: models with Gated-DeltaNet layers); elsewhere it steps aside.
+# Which engines a contribution is proven for (models with Gated-DeltaNet layers, with routed experts); elsewhere it
+# steps aside, and the engine's log line gives the contribution's ``aside`` as the reason.
 Scope = Callable[[EngineBuild], bool]
+NO_GATED_DELTANET = "has no Gated-DeltaNet layers"
 
 
 def _nothing_read(engine: Any) -> tuple[str, list[str]] | None:
@@ -69,6 +71,7 @@ class _Contribution:
     contribute: Contribution
     acts_on: Scope
     read_back: ReadBack = _nothing_read
+    aside: str = NO_GATED_DELTANET  # what the served model lacks where acts_on declines it
 
 
 @dataclass
@@ -117,15 +120,19 @@ def describe(build: EngineBuild) -> str:
     if build.changes:
         protected = " (the protected settings: the last run hung twice at one step)" if build.protected else ""
         parts.append("with " + "; ".join(sorted(build.changes)) + protected)
-    if build.stepped_aside:
-        verb = "steps" if len(build.stepped_aside) == 1 else "step"
-        names = " and ".join(sorted(build.stepped_aside))
-        if build.model_config is None:
-            aside = f"{names} {verb} aside: the served model's config could not be read (its layers are unknown)"
-        else:
-            model = type(build.model_config).__name__
-            aside = f"{names} {verb} aside: the served model ({model}) has no Gated-DeltaNet layers"
-        parts.append(("exactly as upstream: " if not build.changes else "") + aside)
+    reasons: dict[str, list[str]] = {}
+    for name, reason in build.stepped_aside:
+        if build.model_config is None:  # every scope reads the config: none of them could decide
+            reason = "the served model's config could not be read (its layers are unknown)"
+        elif reason.startswith("has "):
+            reason = f"the served model ({type(build.model_config).__name__}) {reason}"
+        reasons.setdefault(reason, []).append(name)
+    asides = []
+    for reason, names in reasons.items():
+        verb = "steps" if len(names) == 1 else "step"
+        asides.append(f"{' and '.join(sorted(names))} {verb} aside: {reason}")
+    if asides:
+        parts.append(("exactly as upstream: " if not build.changes else "") + "; ".join(asides))
     return "; ".join(parts) + "." if parts else "exactly as upstream."
 
 
@@ -149,9 +156,11 @@ def _construct(
     for contribution in pending.contributions:
         if contribution.acts_on(build):
             contribution.contribute(kwargs, build)
+            if any(name == contribution.fix_name for name, _ in build.stepped_aside):
+                continue  # it looked at the engine and found nothing to do (its own reason is on the build)
             acting.append(contribution)
         else:
-            build.stepped_aside.append(contribution.fix_name)
+            build.stepped_aside.append((contribution.fix_name, contribution.aside))
     pending.applied = True
     built = engine(*args, **kwargs)
     readings = []
@@ -316,13 +325,15 @@ def engine_builder_targets(
     arguments_problem: Callable[[], str | None],
     upstream_fixed: Callable[[], str | None] = _no_reason,
     read_back: ReadBack = _nothing_read,
+    aside: str = NO_GATED_DELTANET,
 ) -> tuple[Target, ...]:
     """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
     engine ``trl vllm-serve`` builds. ``contribute`` runs for the engines ``acts_on`` accepts; for the others the fix
-    steps aside and the engine's log line says so. ``arguments_problem`` says why the installed vLLM would refuse the
+    steps aside and the engine's log line says so (``aside``: what such a model lacks).
+    ``arguments_problem`` says why the installed vLLM would refuse the
     arguments (asked of vLLM's own classes when TRL's module is patched: the fix is then ``skipped``, the engine
     built as upstream); ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``)."""
-    contribution = _Contribution(fix_name, contribute, acts_on, read_back)
+    contribution = _Contribution(fix_name, contribute, acts_on, read_back, aside)
 
     def refused_arguments() -> str | None:
         # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins

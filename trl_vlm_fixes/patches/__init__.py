@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..registry import Fix
 from . import (
     cudagraph,
+    expert_layout,
     gdn_prefill,
     mm_realign,
     prompt_parity,
@@ -22,6 +23,7 @@ ALL_FIXES: tuple[Fix, ...] = (
     reload_skip.FIX,
     cudagraph.FIX,
     gdn_prefill.FIX,
+    expert_layout.FIX,
     vision_token_guard.FIX,
     watchdog.FIX,
 )

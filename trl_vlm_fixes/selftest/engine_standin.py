@@ -431,8 +431,9 @@ def built_config(kwargs: dict[str, Any]) -> Any:
     """``llm.llm_engine.vllm_config`` as a GPU engine resolves the arguments (what the engine fixes read back):
     vLLM's own ``CompilationConfig`` of the ``compilation_config`` given; no ``cudagraph_mode`` is vLLM's GPU default,
     ``FULL_AND_PIECEWISE`` (measured on an H200); ``enforce_eager=True`` makes it ``NONE`` (``VllmConfig.__post_init__``
-    in vLLM 0.25.1); ``gdn_prefill_backend`` goes to ``additional_config`` (``EngineArgs.create_engine_config``). On
-    the CPU vLLM's own ``VllmConfig`` would resolve every mode to NONE (no CUDA graphs there), hence this model."""
+    in vLLM 0.25.1); ``gdn_prefill_backend`` goes to ``additional_config``, ``moe_backend`` to ``kernel_config`` as
+    ``KernelConfig`` normalises it (``EngineArgs.create_engine_config``). On the CPU vLLM's own ``VllmConfig`` would
+    resolve every mode to NONE (no CUDA graphs there), hence this model."""
     from types import SimpleNamespace
 
     given = kwargs.get("compilation_config")
@@ -449,6 +450,7 @@ def built_config(kwargs: dict[str, Any]) -> Any:
     backend = kwargs.get("gdn_prefill_backend")
     return SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        kernel_config=SimpleNamespace(moe_backend=str(kwargs.get("moe_backend") or "auto").lower().replace("-", "_")),
         model_config=SimpleNamespace(enforce_eager=bool(kwargs.get("enforce_eager"))),
         additional_config={"gdn_prefill_backend": backend} if backend else {},
     )
