@@ -4,13 +4,26 @@
 # checkout) on three stacks: the validated one (trl 1.9.1, transformers 5.17.0, vllm 0.25.1); the newest TRL release
 # on it (LATEST_TRL, 1.16.0 today); and that TRL with the transformers and vLLM its users run (NEWEST_TRANSFORMERS
 # 5.25.0, NEWEST_VLLM 0.31.0, the newest TRL 1.16 supports). LATEST_TRL=none skips the second and third,
-# NEWEST_VLLM=none the third. Extra arguments go to pytest.
+# NEWEST_VLLM=none the third. Extra arguments go to pytest. Each stage prints its time ("stage ... took N s").
+#
+# Tests marked `stack_independent` run on the validated stack only: what they prove cannot differ between the stacks
+# (the plugin's own mechanisms, which import no TRL/transformers/vLLM code on the path they test: the watchdog's timer,
+# backstop, report and limits files, the resume decision over checkpoint folders; the launcher's bootstrap; the GPU
+# scripts' dry runs, written for the validated stack the GPU record runs). Every test that runs TRL, transformers or
+# vLLM code runs on all three.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 latest=${LATEST_TRL:-1.16.0}
 newest_transformers=${NEWEST_TRANSFORMERS:-5.25.0}
 newest_vllm=${NEWEST_VLLM:-0.31.0}
+started=$SECONDS
+stage_started=$SECONDS
+stage() {  # the time of the stage that just ended, then the name of the next
+  echo "scripts/test.sh: stage ${current:-setup} took $((SECONDS - stage_started)) s (total $((SECONDS - started)) s)" >&2
+  current=$1
+  stage_started=$SECONDS
+}
 
 # Enough disk for the environments still to build? (Measured: the first takes about 7 GB, torch alone 5.5; each further
 # one, hard-linked to it, about 1.5.) Say so at once rather than die in pip with "No space left on device".
@@ -26,9 +39,13 @@ if [ "$free_gb" -lt "$need_gb" ]; then
   echo "Free disk space (old clones, old .venv-* folders, pip's cache), or skip stacks: LATEST_TRL=none or NEWEST_VLLM=none." >&2
   exit 1
 fi
+current="environment (validated stack)"
 bash scripts/setup_env.sh
+stage "ruff and mypy"
 .venv/bin/ruff check trl_vlm_fixes tests examples benchmarks conftest.py
+.venv/bin/ruff format --check trl_vlm_fixes tests examples benchmarks conftest.py
 .venv/bin/mypy
+stage "wheel"
 
 # the package as users get it: a wheel (built afresh: a stale build/ would carry deleted modules), installed into a
 # fresh environment, its console script answering
@@ -37,25 +54,31 @@ wheel=$(ls dist/trl_vlm_fixes-*.whl)
 rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
 .venv-wheel-check/bin/python -m pip install -q --disable-pip-version-check "$wheel"
 (cd /tmp && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status && "$root/.venv-wheel-check/bin/trl-vlm-fixes" status --json \
-  | "$root/.venv-wheel-check/bin/python" -c "import json,sys; r=json.load(sys.stdin); assert r['activation']=='import' and len(r['patches'])==8, r")
+  | "$root/.venv-wheel-check/bin/python" -c "import json,sys; from trl_vlm_fixes.patches import ALL_FIXES as f; r=json.load(sys.stdin); assert r['activation']=='import' and list(r['patches'])==[x.name for x in f], r")
 
 # tests run from a folder without the package in it, so `import trl_vlm_fixes` is the installed wheel
 stage=$root/.test-stage
 rm -rf "$stage" && mkdir -p "$stage"
 for item in tests benchmarks examples conftest.py pyproject.toml; do ln -s "$root/$item" "$stage/$item"; done
-run_suite() {  # $1: the virtual environment
+run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; the rest go to pytest
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   (cd "$stage" && "$1/bin/python" -c "import trl_vlm_fixes, sys; sys.exit(trl_vlm_fixes.__file__.startswith('$root/trl_vlm_fixes'))")
+  stage "self-test ($1)"
   (cd "$stage" && "$1/bin/trl-vlm-fixes" selftest)
-  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider "${@:2}")
+  stage "pytest ($1, -m '$2')"
+  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider -m "$2" "${@:3}")
 }
-run_suite "$root/.venv" "$@"
+stage "install (validated stack)"
+run_suite "$root/.venv" "" "$@"
 if [ "$latest" != "none" ]; then
+  stage "environment (TRL $latest)"
   VENV=.venv-trl-latest TRL="$latest" BASE=.venv bash scripts/setup_env.sh
-  run_suite "$root/.venv-trl-latest" "$@"
+  run_suite "$root/.venv-trl-latest" "not stack_independent" "$@"
   if [ "$newest_vllm" != "none" ]; then
+    stage "environment (TRL $latest, transformers $newest_transformers, vLLM $newest_vllm)"
     VENV=.venv-newest TRL="$latest" TRANSFORMERS="$newest_transformers" VLLM="$newest_vllm" BASE=.venv \
       bash scripts/setup_env.sh
-    run_suite "$root/.venv-newest" "$@"
+    run_suite "$root/.venv-newest" "not stack_independent" "$@"
   fi
 fi
+stage done

@@ -37,20 +37,19 @@ def test_switch_off_restores_upstream_arguments(make_generation: Callable[..., A
 
 @pytest.mark.parametrize("mode", VALID_MODES)
 def test_each_mode_is_selectable(
-    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, mode: str
+    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None], mode: str
 ) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", mode.lower())
+    reapply()  # settings are read at apply()
     assert engine_kwargs(make_generation)["compilation_config"] == {"cudagraph_mode": mode}
 
 
-def test_bad_mode_fails_with_the_valid_names(
-    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bad_mode_fails_with_the_valid_names(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "SOMETIMES")
     with pytest.raises(
         CudagraphModeError, match=r"SOMETIMES.*NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"
     ):
-        make_generation()
+        reapply()  # apply() reads and validates every setting
 
 
 def test_bad_mode_fails_at_import() -> None:
@@ -172,7 +171,7 @@ def test_real_llm_accepts_the_injected_arguments(vllm_config: Any) -> None:
 
 
 def test_experimental_online_dpo_engine_gets_the_mode(
-    tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    tiny_model_dir: Any, processor: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, reapply: Callable[[], None]
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     import trl.experimental.online_dpo.online_dpo_trainer as online_dpo
@@ -182,6 +181,7 @@ def test_experimental_online_dpo_engine_gets_the_mode(
     monkeypatch.setattr(online_dpo, "LLM", StandInLLM, raising=False)
     monkeypatch.setattr(online_dpo, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "FULL_DECODE_ONLY")
+    reapply()
     args = OnlineDPOConfig(
         output_dir=str(tmp_path),
         use_vllm=True,

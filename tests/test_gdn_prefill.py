@@ -35,8 +35,11 @@ def test_gdn_model_engine_gets_triton_prefill_and_no_graphs(make_generation: Any
 
 @pytest.mark.usefixtures("old_kernel")
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
-def test_backend_is_selectable(make_generation: Any, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+def test_backend_is_selectable(
+    make_generation: Any, monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None], backend: str
+) -> None:
     monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", backend.upper())
+    reapply()  # settings are read at apply()
     assert make_generation().llm.init_kwargs["gdn_prefill_backend"] == backend
 
 
@@ -49,13 +52,14 @@ def test_bad_backend_fails_the_import_naming_the_variable() -> None:
 @pytest.mark.usefixtures("old_kernel")
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
 def test_vllm_resolves_the_backend_the_engine_gets(
-    make_generation: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, backend: str
+    make_generation: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None], backend: str
 ) -> None:
     """The arguments TRL's engine receives, read by vLLM's own EngineArgs: the kernel vLLM will select."""
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setenv("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", backend)
+    reapply()
     kwargs = make_generation().llm.init_kwargs
     names = {field.name for field in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(**{key: value for key, value in kwargs.items() if key in names})

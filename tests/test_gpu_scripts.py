@@ -1,8 +1,14 @@
-"""The GPU end-to-end script's own logic, dry-run on the CPU with the stand-in engine (the GPU run is in docs/)."""
+"""The GPU scripts' own logic, dry-run on the CPU with the stand-in engine (the GPU runs are in docs/gpu-results.md).
+
+Each script runs as the GPU machine runs it (a parent writing the JSON record, one fresh process per variant), at the
+tests' tiny model shape and 8-token completions: what is checked is the script (what it records, how it compares),
+not a size.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +17,20 @@ from typing import Any
 
 from helpers import environment_without_switches, upstream_reloads_from_disk
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "grpo_end_to_end.py"
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+SCRIPT = GPU / "grpo_end_to_end.py"
+MOE_SCRIPT = GPU / "moe_colocate.py"
+IS_MEAN = "sampling/importance_sampling_ratio/mean"
+KEPT = "trl_vlm_fixes/sampling_kept_mass"
+
+
+def _run(script: Path, out: Path, *arguments: str, timeout: int = 600) -> tuple[dict[str, Any], str]:
+    env = environment_without_switches()
+    env["PYTHONPATH"] = os.pathsep.join([str(GPU.parents[1]), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(script), *arguments, "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text()), result.stdout
 
 
 def _stale(rollouts: list[dict[str, Any]]) -> int:
@@ -19,25 +38,15 @@ def _stale(rollouts: list[dict[str, Any]]) -> int:
 
 
 def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
-    out = tmp_path / "grpo.json"
-    env = environment_without_switches()
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable,
-        str(SCRIPT),
-        "--stand-in",
-        "--steps",
-        "2",
-        "--variants",
-        "on,reload_skip_off,off,prompt_parity_off",
-        "--hidden",
-        "64",  # the script's logic, not a size: the stand-in decodes with the model on the CPU
-    ]
-    result = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    variants = json.loads(out.read_text())["variants"]
-    on, reload_off, off = variants["on"], variants["reload_skip_off"], variants["off"]
-    parity_off = variants["prompt_parity_off"]
+    """Every variant, in the sampling phases the GPU run uses (``default`` then ``qwen``, one step each here)."""
+    variants = "on,reload_skip_off,off,prompt_parity_off,sampling_parity_off"
+    report, stdout = _run(
+        SCRIPT, tmp_path / "grpo.json", "--stand-in", "--tiny", "--steps", "1", "--variants", variants,
+        "--sampling", "default,qwen", "--max-completion-length", "8",
+    )  # fmt: skip
+    variants_ = report["variants"]
+    on, reload_off, off = variants_["on"], variants_["reload_skip_off"], variants_["off"]
+    parity_off = variants_["prompt_parity_off"]
 
     assert on["trained"] and on["weights_trained"] and len(on["rollouts"]) == 4  # 2 rollouts per optimizer step
     assert all(r["trainer_moved_from_original"] for r in on["rollouts"] if r["global_step"] > 0)
@@ -57,5 +66,91 @@ def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
     # upstream the step crashes: the mixed batch (mm_realign) or a sampled placeholder (vision_token_guard), whichever
     # the random policy reaches first
     assert not off["trained"] and ("shape mismatch" in off["error"] or "do not match" in off["error"]), off["error"]
-    assert off["engine_cudagraph_mode"] == "default"
-    assert "on current" in result.stdout  # the table is printed
+    assert off["engine_cudagraph_mode"] in ("default", "FULL_AND_PIECEWISE")  # vLLM's own default graphs
+    assert "on current" in stdout and "IS mean" in stdout  # both tables are printed
+
+    # sampling_parity: per step the phase, TRL's ratio and gap, the kept share, the scoring pass's time
+    sampling_off = variants_["sampling_parity_off"]
+    assert sampling_off["trained"] and report["sampling"] == {"default": {}, "qwen": {"top_p": 0.95, "top_k": 20}}
+    for result in (on, sampling_off):
+        assert [s["sampling"] for s in result["sampling"]] == ["default", "qwen"]
+        assert [r["sampling"] for r in result["scoring"]] == ["default"] * 2 + ["qwen"] * 2
+        assert all(r["no_grad_passes"] >= 1 and r["scoring_s"] > 0 for r in result["scoring"])
+        assert all(s["scoring_s"] > 0 and len(s["scoring_s_rollouts"]) == 2 for s in result["sampling"])
+    default_on, qwen_on = on["sampling"]
+    default_off, qwen_off = sampling_off["sampling"]
+    # the stand-in serves the trainer's own weights: with the fix the ratio is 1 (the same distribution both sides)
+    assert abs(default_on[IS_MEAN] - 1) < 1e-4 and abs(qwen_on[IS_MEAN] - 1) < 1e-4
+    assert qwen_on["sampling/sampling_logp_difference/max"] < 1e-3
+    # the kept share: the placeholder ban alone keeps almost everything, top_k=20 with top_p=0.95 clearly less
+    assert 0.99 < default_on[KEPT] <= 1 and qwen_on[KEPT] < min(0.95, default_on[KEPT] - 0.05)
+    # without it TRL's ratio is the product of the kept shares: below 1 with the ban, far below with top-k/top-p
+    assert default_off[IS_MEAN] < 0.999 and qwen_off[IS_MEAN] < 0.5
+    assert qwen_off["sampling/sampling_logp_difference/mean"] > 0.1 > qwen_on["sampling/sampling_logp_difference/mean"]
+    comparison = report["sampling_parity"]
+    assert set(comparison) == {"default", "qwen"} and comparison["qwen"]["is_mean_off"] == [qwen_off[IS_MEAN]]
+    assert comparison["qwen"]["kept_mass_on"] == [qwen_on[KEPT]]
+
+
+def test_moe_colocate_script_dry_run(tmp_path: Path) -> None:
+    """A Qwen3.5 MoE VLM through the colocated stand-in: every engine tensor, the experts included, is the trainer's
+    at every rollout, the prompts are the trainer's, the mixed batch trains with finite losses; with reload_skip off
+    the comparison sees the checkpoint's experts served after step 0."""
+    arguments = (
+        "--stand-in",
+        "--tiny",
+        "--steps",
+        "2",
+        "--max-completion-length",
+        "8",
+        "--variants",
+        "on,reload_skip_off",
+    )
+    report, stdout = _run(MOE_SCRIPT, tmp_path / "moe.json", *arguments)
+    assert report["shape"]["family"] == "qwen3_5_moe" and report["shape"]["experts"] == 4
+    on = report["variants"]["on"]
+    assert on["trained"] and on["global_steps"] == 2 and on["losses_finite"], on.get("error")
+    assert on["trainer_model"] == "Qwen3_5MoeForConditionalGeneration"
+    assert len(on["weights"]) == 4 and on["disk_reloads"] == 0
+    for rollout in on["weights"]:
+        assert rollout["tensors_compared"] > 40 and rollout["unmapped_trainer_count"] == 0, rollout
+        assert rollout["tensors_within_bf16"] == rollout["tensors_compared"] == rollout["tensors_exact"], rollout
+        assert rollout["expert_tensors_compared"] == 4 and rollout["expert_tensors_within_bf16"] == 4  # 2 layers
+        assert rollout["expert_layouts"] == ["same"] and rollout["max_abs_diff"] == 0
+        if rollout["global_step"] > 0:  # the experts trained and the engine serves the trained ones
+            assert rollout["expert_tensors_moved_in_trainer"] == 4 and rollout["expert_tensors_on_original"] == 0
+    assert all(r["identical_rows"] == r["rows"] == 8 for r in on["prompt_parity"]) and len(on["prompt_parity"]) == 4
+    assert all(math.isfinite(loss) for loss in on["losses"]) and "engine=trainer" in stdout
+
+    # the contrast the GPU run records too: TRL 1.9.1's reload puts the checkpoint's experts back after every sync
+    reload_off = report["variants"]["reload_skip_off"]
+    assert reload_off["trained"] and reload_off["losses_finite"] and len(reload_off["weights"]) == 4
+    stale = [r for r in reload_off["weights"] if r["global_step"] > 0]
+    if upstream_reloads_from_disk():
+        assert all(r["expert_tensors_on_original"] == r["expert_tensors_moved_in_trainer"] == 4 for r in stale), stale
+        assert all(r["expert_tensors_within_bf16"] == 0 for r in stale) and reload_off["disk_reloads"] == 4
+    else:
+        assert all(r["tensors_within_bf16"] == r["tensors_compared"] for r in reload_off["weights"])
+
+
+def test_moe_comparison_against_vllm_loader_on_cpu(tmp_path: Path) -> None:
+    """The comparison the MoE record relies on, against vLLM 0.25.1's own model class and ``load_weights`` (built on
+    the CPU): TRL's push lands every tensor where the comparison looks, and a stale expert is caught."""
+    report, _ = _run(
+        MOE_SCRIPT, tmp_path / "loader.json", "--cpu-loader-check", "--family", "qwen3_5_moe,qwen3_vl_moe", timeout=300
+    )
+    checks = {check["family"]: check for check in report["cpu_loader_check"]}
+    assert set(checks) == {"qwen3_5_moe", "qwen3_vl_moe"}
+    for family, check in checks.items():
+        before, after, stale, repushed = (
+            check[k] for k in ("before_push", "after_push", "stale_expert", "after_repush")
+        )
+        # before any push the engine holds vLLM's random weights: nothing may pass
+        assert before["tensors_within_bf16"] == before["expert_tensors_within_bf16"] == 0, family
+        for row in (after, repushed):
+            assert row["tensors_within_bf16"] == row["tensors_compared"] == check["engine_parameters"], (family, row)
+            assert row["expert_tensors_compared"] == 4 and row["expert_layouts"] == ["same"], (family, row)
+            assert row["unmapped_engine_count"] == row["unmapped_trainer_count"] == 0, (family, row)
+        assert stale["tensors_within_bf16"] == stale["tensors_compared"] - 1, (family, stale)
+        assert len(stale["differing"]) == 1 and "layers.0.mlp.experts" in stale["differing"][0], (family, stale)
+        assert any(name.endswith("w13_weight") for name in check["engine_expert_shapes"]), check["engine_expert_shapes"]

@@ -134,7 +134,7 @@ def test_gdn_prefill_is_needed_exactly_where_the_old_kernel_can_run(
     monkeypatch: pytest.MonkeyPatch, versions: dict[str, Any], needed: bool
 ) -> None:
     monkeypatch.setattr(gdn_prefill, "installed_version", versions.get)
-    reason = gdn_prefill.kernel_gone()
+    reason = gdn_prefill.kernel_gone_reason()
     assert (reason is None) == needed
     if reason:
         assert "0.6.14" in reason and f"vLLM {versions['vllm']}" in reason

@@ -260,8 +260,10 @@ def _wrapper(target_key: str, builder: _Builder, contribution: _Contribution) ->
                 _pending.reset(token)
         engine_built = builder.server or getattr(instance, "llm", None) is not None
         if token is not None and engine_built and not pending.applied:
-            for missed in pending.contributions:
-                _report_missed(missed.fix_name, target_key, builder.caller)
+            build = EngineBuild(builder.caller, served_model_config(None if builder.server else instance, kwargs))
+            for missed in pending.contributions:  # those that would have acted on this model (all, if unreadable)
+                if build.model_config is None or missed.acts_on(build):
+                    _report_missed(missed.fix_name, target_key, builder.caller)
         return result
 
     return wrapper

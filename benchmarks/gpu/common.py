@@ -114,8 +114,38 @@ def build_random_qwen35(
         text.update(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=width)
         if family == "qwen3_5_moe":
             text["shared_expert_intermediate_size"] = width
+        else:  # vLLM 0.25.1 reads it; transformers 5 always renormalises the top-k and no longer writes it
+            text["norm_topk_prob"] = True
     vision = {"hidden_size": 128, "intermediate_size": 256, "out_hidden_size": hidden}
     return build_tiny_qwen35_vlm(directory, seed, text=text, vision=vision, dtype="bfloat16", family=family)
+
+
+def build_tiny_vlm(
+    directory: str | Path,
+    family: str = "qwen3_5",
+    moe_intermediate: int = 24,
+    seed: int = 0,
+    sharpness: float = 1.0,
+    placeholder_scale: float = 1.0,
+) -> Path:
+    """The tests' tiny shape (text hidden 32, one Gated-DeltaNet and one full-attention layer for Qwen3.5; MoE: 4
+    experts, 2 per token, expert width ``moe_intermediate``, 2I != hidden), float32: for the scripts' CPU dry runs,
+    where the stand-in decodes with the model itself (seconds instead of minutes). ``sharpness`` 20 with
+    ``placeholder_scale`` 0: a peaked next-token distribution (logits of std ~2, as a trained model's and as the
+    1.2B random model's at hidden 2048), where top-k/top-p cut at a clear boundary; at hidden 32 the random model's
+    distribution is nearly uniform, and top_p=0.95 over 20 near-equal tokens cuts at a tie."""
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    text: dict[str, Any] = {}
+    if family.endswith("_moe"):
+        text["moe_intermediate_size"] = moe_intermediate
+        if family == "qwen3_5_moe":
+            text["shared_expert_intermediate_size"] = moe_intermediate
+        else:
+            text["norm_topk_prob"] = True
+    return build_tiny_qwen35_vlm(
+        directory, seed, text=text, family=family, sharpness=sharpness, placeholder_scale=placeholder_scale
+    )
 
 
 def versions() -> dict[str, Any]:
@@ -238,7 +268,12 @@ def varied_reward(completions: list[Any], **_: Any) -> list[float | None]:
 
 
 def build_grpo_trainer(
-    model_dir: Path, output_dir: str, steps: int, stand_in: bool, generation_kwargs: dict[str, Any] | None = None
+    model_dir: Path,
+    output_dir: str,
+    steps: int,
+    stand_in: bool,
+    generation_kwargs: dict[str, Any] | None = None,
+    max_completion_length: int = 16,
 ) -> Any:
     """TRL's GRPOTrainer, colocate + sleep mode, on the four mixed samples (four image sizes, four prompt lengths in
     every batch), ``gradient_accumulation_steps=2 > steps_per_generation=1``: two rollouts per optimizer step, the
@@ -262,7 +297,7 @@ def build_grpo_trainer(
         num_generations=2,
         gradient_accumulation_steps=2,
         steps_per_generation=1,  # < gradient_accumulation_steps: a second rollout per step, without TRL's sync
-        max_completion_length=16,
+        max_completion_length=max_completion_length,
         max_steps=steps,
         learning_rate=1e-3,
         logging_steps=1,

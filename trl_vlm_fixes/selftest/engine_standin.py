@@ -444,7 +444,8 @@ def built_config(kwargs: dict[str, Any]) -> Any:
         config = CompilationConfig(**given) if isinstance(given, dict) else given
         mode = getattr(config, "cudagraph_mode", None)
         if mode is None or kwargs.get("enforce_eager"):
-            mode = CUDAGraphMode.NONE if kwargs.get("enforce_eager") else CUDAGraphMode.FULL_AND_PIECEWISE
+            name = "NONE" if kwargs.get("enforce_eager") else "FULL_AND_PIECEWISE"
+            mode = CUDAGraphMode.__members__.get(name) or SimpleNamespace(name=name)  # a vLLM without the member
     except ImportError:
         mode = SimpleNamespace(name="NONE" if kwargs.get("enforce_eager") else "FULL_AND_PIECEWISE")
     backend = kwargs.get("gdn_prefill_backend")
