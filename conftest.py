@@ -103,6 +103,18 @@ def reapply(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
 
 
 @pytest.fixture
+def with_setting(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> Callable[[str, str], None]:
+    """Set a fix's setting through its environment variable and apply again (settings are read at ``apply()``);
+    restored after the test."""
+
+    def set_setting(variable: str, value: str) -> None:
+        monkeypatch.setenv(variable, value)
+        reapply()
+
+    return set_setting
+
+
+@pytest.fixture
 def one_fix_off(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> Callable[[str], None]:
     """Turn one fix off through its environment switch (the others stay on), restored after the test."""
 

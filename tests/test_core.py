@@ -613,6 +613,8 @@ def test_the_python_api_wins_over_the_environment_and_reverts_one_fix() -> None:
             except ValueError as error:
                 errors.append(str(error))
         out["errors"] = errors
+        out["after_errors"], out["mode_after"] = states(), registry.value("cudagraph", "mode")
+        trl_vlm_fixes.apply()  # the refused values were never kept
         print(json.dumps(out))
         """,
             env={"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL", "TRL_VLM_FIXES_WATCHDOG": "on"},
@@ -628,6 +630,7 @@ def test_the_python_api_wins_over_the_environment_and_reverts_one_fix() -> None:
     assert "TRL_VLM_FIXES_CUDAGRAPH_MODE='SOMETIMES'" in report["errors"][0] and "PIECEWISE" in report["errors"][0]
     assert "has no setting ['modes']" in report["errors"][1] and "['mode']" in report["errors"][1]
     assert "no fix of that name" in report["errors"][2]
+    assert report["after_errors"] == report["back"] and report["mode_after"] == "NONE"  # a refused call changes nothing
 
 
 def test_the_worked_example_in_architecture_is_a_real_declaration() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from helpers import run_python
 
 from trl_vlm_fixes.patches.cudagraph import (
     VALID_MODES,
@@ -238,3 +240,71 @@ def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
         if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "torch.ops.vllm"
     }
     assert "vllm::qwen_gdn_attention_core" in layer_ops and layer_ops <= set(config.splitting_ops), layer_ops
+
+
+class _EagerStandIn(StandInLLM):
+    """The engine as vLLM builds it when ``enforce_eager=True`` reaches it (``trl vllm-serve --enforce_eager``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "enforce_eager": True})
+
+
+def _engine_line(caplog: pytest.LogCaptureFixture) -> str:
+    [line] = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    return line
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_vlm_fixes: cudagraph: ")]
+
+
+@pytest.mark.parametrize("setting", ["none", "enforce_eager", "VLLM_USE_BREAKABLE_CUDAGRAPH=1"])
+def test_the_engine_line_says_what_vllm_built_and_warns_where_a_setting_changes_the_mode(
+    make_generation: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    setting: str,
+) -> None:
+    """The mode is read back from the built engine's ``vllm_config`` (not what was asked): ``enforce_eager`` makes it
+    NONE; vLLM's breakable graphs keep PIECEWISE's name while capturing the Gated-DeltaNet op (see below)."""
+    if setting.startswith("VLLM_"):
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        make_generation(engine_class=_EagerStandIn if setting == "enforce_eager" else None)
+    line, warnings = _engine_line(caplog), _warnings(caplog)
+    assert "with cudagraph_mode=PIECEWISE" in line  # what was asked
+    built = "NONE" if setting == "enforce_eager" else "PIECEWISE"
+    assert f"cudagraph_mode={built}." in line.split("vLLM built: ")[1]
+    if setting == "none":
+        assert warnings == []
+    elif setting == "enforce_eager":
+        assert len(warnings) == 1 and "enforce_eager=True: vLLM captures no CUDA graph at all" in warnings[0]
+    else:
+        assert len(warnings) == 1 and "GDN decode IS captured although cudagraph_mode=PIECEWISE" in warnings[0]
+
+
+def test_breakable_graphs_break_at_attention_and_not_at_the_gated_deltanet_op() -> None:
+    """What the VLLM_USE_BREAKABLE_CUDAGRAPH warning claims, read from vLLM's own modules: with the variable set, vLLM's
+    attention op is wrapped by ``@eager_break_during_capture`` (runs eagerly between graph segments) and its
+    Qwen Gated-DeltaNet op is not (captured inside a segment)."""
+    result = run_python(
+        """
+        import importlib, json
+        def wrapped(module, name):
+            try:
+                return hasattr(getattr(importlib.import_module(module), name), "__wrapped__")
+            except (ImportError, AttributeError):
+                return None
+        print(json.dumps([
+            wrapped("vllm.model_executor.layers.attention.attention", "unified_attention_with_output"),
+            wrapped("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "qwen_gdn_attention_core"),
+        ]))
+        """,
+        env={"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"},
+        with_vllm=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    attention, gated_deltanet = json.loads(result.stdout.strip().splitlines()[-1])
+    if attention is None or gated_deltanet is None:
+        pytest.skip("this vLLM has no breakable CUDA graphs or names its ops otherwise")
+    assert (attention, gated_deltanet) == (True, False)

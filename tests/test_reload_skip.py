@@ -139,7 +139,7 @@ def test_colocate_without_sleep_is_untouched(make_generation: Callable[..., Any]
     run_schedule(loop)
     assert loop.engine.sleeps == [] and loop.engine.disk_reloads == 0
     assert loop.engine.tensor_pushes == 3 * sum(1 for _ in loop.model.parameters())  # TRL's own 3 syncs, no more
-    assert loop.generation not in trl_vlm_fixes.patches.reload_skip._engines
+    assert trl_vlm_fixes.patches.reload_skip._engines.get(loop.generation) is None
 
 
 def test_server_mode_is_untouched() -> None:
@@ -519,13 +519,13 @@ def test_a_push_between_turns_drops_the_old_vision_embeddings(
 
 @bug_present
 def test_tool_sleep_frees_the_gpu_between_turns_without_a_push(
-    make_generation: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    make_generation: Callable[..., Any], with_setting: Callable[[str, str], None]
 ) -> None:
     """TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP=1: where the tool runs, the engine holds neither weights nor KV cache on
     the GPU (level 1: weights in CPU memory); each turn runs on current weights with no push beyond TRL's sync."""
     from trl_vlm_fixes.patches.reload_skip import rollout_scope
 
-    monkeypatch.setenv("TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP", "1")
+    with_setting("TRL_VLM_FIXES_RELOAD_SKIP_TOOL_SLEEP", "1")
     loop = TrainerLoop(make_generation())
     engine = loop.engine
     loop.optimizer_step()

@@ -291,7 +291,7 @@ def test_a_setting_it_cannot_model_leaves_trls_ratio_and_says_which(
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         trainer = train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}, repetition_penalty=1.1)
     assert logged(trainer)[IS_MEAN] < 0.6 and KEPT not in logged(trainer)
-    lines = [r.getMessage() for r in caplog.records if "sampling_parity steps aside" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "trl_vlm_fixes.sampling_parity: steps aside" in r.getMessage()]
     assert len(lines) == 1 and "repetition_penalty=1.1" in lines[0], lines
 
 
@@ -334,7 +334,7 @@ def test_a_rollout_without_trls_generate_is_named(
     )
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         trainer.train()
-    lines = [r.getMessage() for r in caplog.records if "sampling_parity steps aside" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "trl_vlm_fixes.sampling_parity: steps aside" in r.getMessage()]
     assert len(lines) == 1 and "did not go through TRL's VLLMGeneration.generate" in lines[0], lines
     assert KEPT not in logged(trainer)
 

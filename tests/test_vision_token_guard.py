@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,11 +161,16 @@ def test_guard_bans_placeholders_and_training_runs(loving_model_dir: Path, tmp_p
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_safety_net_masks_and_counts_rows_when_the_ban_is_off(
-    loving_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
+    loving_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    with_setting: Callable[[str, str], None],
+    kind: str,
+    caplog: Any,
 ) -> None:
     from trl_vlm_fixes import log_once
 
-    monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
+    with_setting("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
     monkeypatch.setattr(log_once, "_said", set())  # the first occurrence in this process warns
     trainer = loving_trainer(loving_model_dir, tmp_path, kind)
     banned = placeholder_ids(trainer.processing_class)
@@ -310,7 +316,13 @@ def test_text_only_trainer_is_left_alone_with_one_log_line(caplog: Any, monkeypa
 # --- a masked row is out of the loss, its normaliser and the advantages ------------------------------------------
 
 
-def one_bad_row_trainer(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> Any:
+def one_bad_row_trainer(
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    with_setting: Callable[[str, str], None],
+) -> Any:
     """Ban off, one group of 4 completions of 256 tokens from the engine stand-in: row 0 holds the image pad (261)."""
     import trl.generation.vllm_generation as vllm_generation
     from datasets import Dataset
@@ -326,7 +338,7 @@ def one_bad_row_trainer(model_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
             tokens[1] = (261, 70, 71, 72)[row % 4]
             return tokens
 
-    monkeypatch.setenv("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
+    with_setting("TRL_VLM_FIXES_VISION_TOKEN_GUARD_BAN", "0")
     monkeypatch.setattr(vllm_generation, "LLM", Engine, raising=False)
     trainer = loving_trainer(
         model_dir,
@@ -365,14 +377,19 @@ def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[float, dict[str
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_masked_row_is_out_of_loss_normaliser_and_advantages(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, caplog: Any
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    with_setting: Callable[[str, str], None],
+    kind: str,
+    caplog: Any,
 ) -> None:
     """The other rows train as if the bad row were not in the batch; no NaN from it.
 
     Before: RLOO's ``old_logps`` kept the masked row's -1400 nats, the loss's ``exp`` gave inf (NaN gradients on TRL
     1.9.1); GRPO's ``num_items_in_batch`` counted the masked tokens, scaling the other rows' gradient by 3/4; both put
     the bad row in its group's baseline (the good rows' advantages did not sum to 0)."""
-    trainer = one_bad_row_trainer(tiny_model_dir, tmp_path, monkeypatch, kind)
+    trainer = one_bad_row_trainer(tiny_model_dir, tmp_path, monkeypatch, kind, with_setting)
     banned = placeholder_ids(trainer.processing_class)
     raw = record_raw_samples(trainer)
     with caplog.at_level("WARNING"):
@@ -431,7 +448,7 @@ def test_masked_rows_score_none_in_every_kind_of_reward_function(monkeypatch: py
 
     trainer = Trainer()
     original = list(trainer.reward_funcs)
-    monkeypatch.setitem(vision_token_guard._masked_rows, trainer, [1])
+    vision_token_guard._masked_rows.set(trainer, [1])
 
     def calculate_rewards() -> tuple[Any, ...]:  # what TRL's _calculate_rewards does with each kind
         scored, unscored_async, model = trainer.reward_funcs
@@ -580,3 +597,24 @@ def test_training_under_the_ban_keeps_its_gradient(
     else:  # about half of it
         assert kept < 0.8, kept
         assert float(weights.max()) < 1e-3 and shrink < 1e-3, (weights, shrink)
+
+
+def test_a_users_own_none_reward_is_still_warned_about(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    with_setting: Callable[[str, str], None],
+    caplog: Any,
+) -> None:
+    """The guard hides TRL's "All reward functions returned None" warning only where it names a row the guard
+    masked (row 0 here); the user's own None (row 2) is still named, once."""
+    trainer = one_bad_row_trainer(tiny_model_dir, tmp_path, monkeypatch, "grpo", with_setting)
+
+    def leaves_row_2_unscored(completions: list[Any], **_: Any) -> list[float | None]:
+        return [10.0, 0.0, None, 2.0]
+
+    trainer.reward_funcs = [leaves_row_2_unscored]
+    with caplog.at_level("WARNING"):
+        trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "describe"}]}] * 4)
+    named = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    assert len(named) == 1 and "for row 2 " in named[0], named

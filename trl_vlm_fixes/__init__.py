@@ -12,8 +12,8 @@ from . import trainer_start
 from .metrics import support_targets
 from .patches import ALL_FIXES
 from .patches.cudagraph import CudagraphModeError
+from .patches.expert_layout import ExpertLayoutError
 from .patches.gdn_prefill import GdnPrefillBackendError
-from .patches.watchdog import selected_limit
 from .registry import FixNotApplicableError, Registry
 from .server_flags import advise_trl_server
 from .status import build_status
@@ -24,6 +24,7 @@ __version__ = "0.2.0"
 ACTIVATION: str = globals().get("ACTIVATION", "import")
 __all__ = [
     "CudagraphModeError",
+    "ExpertLayoutError",
     "FixNotApplicableError",
     "GdnPrefillBackendError",
     "SwitchValueError",
@@ -46,17 +47,17 @@ def apply(**fixes: bool | dict[str, Any]) -> None:
     fix off, ``apply(cudagraph={"mode": "NONE"})`` sets a fix's setting (the names are in README's switch table).
     Every switch and setting is read now; a bad value raises at once, naming it."""
     REGISTRY.apply(fixes)
-    selected_limit()  # TRL_VLM_FIXES_WATCHDOG, read here once: generates use this limit until the next apply()
 
 
 def revert(*names: str) -> None:
-    """Restore TRL's original methods exactly (of the named fixes only, if any are named; the others stay applied);
-    ``apply()`` puts them back."""
+    """Restore TRL's original methods exactly (of the named fixes only, if any are named; the others stay applied).
+    ``apply()`` puts back what ``revert()`` took; a fix reverted by name stays off until ``apply(name=True)``."""
     REGISTRY.revert(names or None)
 
 
 def status() -> dict[str, Any]:
-    """Versions and, per fix, its state (applied, disabled, skipped, not-needed, or pending until TRL is imported)."""
+    """Versions and, per fix, its state (applied, stepped-aside, disabled, skipped, not-needed, or pending until TRL
+    is imported)."""
     return build_status(REGISTRY, __version__, ACTIVATION)
 
 

@@ -170,7 +170,7 @@ def _construct(
             setting, warnings = reading
             readings.append(setting)
             report_runtime_state(contribution.fix_name, target_key, "applied", f"{builder.caller}: engine built with "
-                                 f"{setting} (read from its vllm_config)")
+                                 f"{setting} (read back from the built engine)")
             for warning in warnings:
                 LOGGER.warning("%s", warning)
     global last_engine_settings

@@ -107,6 +107,7 @@ class Registry:
         with self._lock:
             if choices:
                 self._check_choices(choices)
+                self._check_values({**self._choices, **choices})  # a bad value raises before anything changes
                 if self._active:
                     self._unpatch_all()
                     self._active = False
@@ -248,6 +249,18 @@ class Registry:
                     )
             elif not isinstance(choice, bool):
                 raise ValueError(f"trl_vlm_fixes.apply({name}={choice!r}): pass True, False or a dict of settings")
+
+    def _check_values(self, choices: Mapping[str, Choice]) -> None:
+        """Read every setting as ``choices`` and the environment give it, keeping nothing: raises on a bad value."""
+        for fix in self.fixes.values():
+            choice = choices.get(fix.name)
+            given = choice if isinstance(choice, Mapping) else {}
+            for setting in self._all_settings(fix):
+                setting.read(given.get(setting.key))
+
+    def protected_value(self, fix_name: str, key: str) -> Any:
+        """The setting a fix declares for the restart after a hang repeated at one step (``Fix.protected``)."""
+        return dict(self.fixes[fix_name].protected)[key]
 
     @staticmethod
     def _all_settings(fix: Fix) -> tuple[Any, ...]:

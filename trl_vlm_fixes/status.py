@@ -28,8 +28,8 @@ def render_table(status: dict[str, Any]) -> str:
         "installed: " + ", ".join(f"{name} {versions[name] or '-'}" for name in versions),
         "validated: " + ", ".join(f"{name} {value}" for name, value in status["validated"].items()),
         "",
-        f"{'fix':<18} {'state':<11} {'switch':<37} detail",
+        f"{'fix':<18} {'state':<13} {'switch':<37} detail",
     ]
     for name, patch in status["patches"].items():
-        lines.append(f"{name:<18} {patch['state']:<11} {patch['switch'] + '=0 to turn off':<37} {patch['detail']}")
+        lines.append(f"{name:<18} {patch['state']:<13} {patch['switch'] + '=0 to turn off':<37} {patch['detail']}")
     return "\n".join(lines)

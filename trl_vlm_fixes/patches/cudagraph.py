@@ -23,7 +23,7 @@ from typing import Any
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, served_model_config, serves_gated_deltanet
 from ..logs import fix_logger
-from ..registry import value
+from ..registry import active, value
 from ..switches import SwitchValueError, choice
 from ..vllm_arguments import cudagraph_mode_problem
 
@@ -57,7 +57,7 @@ def selected_mode() -> str:
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Merge the selected ``cudagraph_mode`` into the engine's compilation config (``NONE`` after a repeated hang)."""
-    mode = PROTECTED_MODE if build.protected else selected_mode()
+    mode = active().protected_value("cudagraph", MODE.key) if build.protected else selected_mode()
     kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
     build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {MODE.variable} to choose)")
 
@@ -72,8 +72,8 @@ def read_back(engine: Any) -> tuple[str, list[str]] | None:
     warnings = []
     if getattr(getattr(config, "model_config", None), "enforce_eager", False) and built == "NONE":
         warnings.append(
-            f"cudagraph: enforce_eager=True: vLLM captures no CUDA graph at all (cudagraph_mode NONE), whatever "
-            f"{MODE.variable} says; drop enforce_eager to get {selected_mode()} ({SPEED_NOTE['NONE']})."
+            f"cudagraph: enforce_eager=True: vLLM captures no CUDA graph at all (cudagraph_mode NONE: "
+            f"{SPEED_NOTE['NONE']}), whatever {MODE.variable} says; drop enforce_eager to get {selected_mode()}."
         )
     if built == "PIECEWISE" and _breakable_cudagraph():
         warnings.append(

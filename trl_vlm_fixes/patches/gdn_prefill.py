@@ -39,7 +39,7 @@ def selected_backend() -> str:
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Select the prefill backend."""
-    backend = PROTECTED_BACKEND if build.protected else selected_backend()
+    backend = active().protected_value("gdn_prefill", BACKEND.key) if build.protected else selected_backend()
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
@@ -138,4 +138,3 @@ FIX = Fix(
     scope=scope,
     protected=(("backend", PROTECTED_BACKEND),),
 )
-kernel_gone = kernel_gone_reason  # the old name, still read by patches/watchdog/resume.py
