@@ -243,7 +243,6 @@ def module_from_source(directory: Path, name: str, source: str) -> Iterator[Modu
         del sys.modules[name]
 
 
-
 def _declared_counters() -> Any:
     """Every fix's declared counter, by its metric name in capitals (``counters.MM_REALIGNED_ROWS``)."""
     from types import SimpleNamespace

@@ -16,6 +16,7 @@ from trl_vlm_fixes.patches.cudagraph import (
     VALID_MODES,
     CudagraphModeError,
     contribute,
+    gated_deltanet_op_breaks_graphs,
     merge_compilation_config,
 )
 from trl_vlm_fixes.selftest.engine_standin import StandInLLM
@@ -279,16 +280,21 @@ def test_the_engine_line_says_what_vllm_built_and_warns_where_a_setting_changes_
         assert warnings == []
     elif setting == "enforce_eager":
         assert len(warnings) == 1 and "enforce_eager=True: vLLM captures no CUDA graph at all" in warnings[0]
+    elif gated_deltanet_op_breaks_graphs():  # vLLM >= 0.31: the GDN op is a break point, PIECEWISE holds
+        assert warnings == []
     else:
         assert len(warnings) == 1 and "GDN decode IS captured although cudagraph_mode=PIECEWISE" in warnings[0]
 
 
-def test_breakable_graphs_break_at_attention_and_not_at_the_gated_deltanet_op() -> None:
-    """What the VLLM_USE_BREAKABLE_CUDAGRAPH warning claims, read from vLLM's own modules: with the variable set, vLLM's
-    attention op is wrapped by ``@eager_break_during_capture`` (runs eagerly between graph segments) and its
-    Qwen Gated-DeltaNet op is not (captured inside a segment)."""
+def test_the_plugin_reads_whether_vllms_gated_deltanet_op_breaks_its_graphs() -> None:
+    """What the VLLM_USE_BREAKABLE_CUDAGRAPH warning claims, checked against vLLM's own modules: with the variable
+    set, vLLM's attention op is wrapped by ``@eager_break_during_capture`` (runs eagerly between graph segments); its
+    Qwen Gated-DeltaNet op is wrapped on vLLM 0.31 and not on 0.25.1 (captured inside a segment). The plugin reads
+    the same from vLLM's source, without importing it."""
+    from trl_vlm_fixes.patches.cudagraph import GDN_OP, gated_deltanet_op_breaks_graphs
+
     result = run_python(
-        """
+        f"""
         import importlib, json
         def wrapped(module, name):
             try:
@@ -297,7 +303,7 @@ def test_breakable_graphs_break_at_attention_and_not_at_the_gated_deltanet_op() 
                 return None
         print(json.dumps([
             wrapped("vllm.model_executor.layers.attention.attention", "unified_attention_with_output"),
-            wrapped("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "qwen_gdn_attention_core"),
+            wrapped(*{list(GDN_OP)!r}),
         ]))
         """,
         env={"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"},
@@ -307,4 +313,5 @@ def test_breakable_graphs_break_at_attention_and_not_at_the_gated_deltanet_op() 
     attention, gated_deltanet = json.loads(result.stdout.strip().splitlines()[-1])
     if attention is None or gated_deltanet is None:
         pytest.skip("this vLLM has no breakable CUDA graphs or names its ops otherwise")
-    assert (attention, gated_deltanet) == (True, False)
+    assert attention is True
+    assert gated_deltanet_op_breaks_graphs() is gated_deltanet

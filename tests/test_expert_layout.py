@@ -97,8 +97,9 @@ def test_hopper_and_a_dense_model_are_left_as_upstream(
         dense = _engine_arguments(family_model_dir("qwen3_5"))
     assert "moe_backend" not in moe and "moe_backend" not in dense
     lines = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
-    assert "expert_layout steps aside: vLLM runs the experts on TRITON (vLLM's default on compute capability 9.0)" in (
-        lines[0]
+    assert (
+        "expert_layout steps aside: vLLM runs the experts on TRITON (vLLM's default on compute capability 9.0)"
+        in (lines[0])
     )
     assert "expert_layout steps aside: the served model (Qwen3_5Config) has no routed experts" in lines[1]
 
@@ -142,12 +143,11 @@ def test_the_trainer_start_state_is_where_it_acts(
     capability: tuple[int, int],
     expected: str,
 ) -> None:
+    import trl.generation.vllm_generation as vllm_generation
     from transformers import AutoProcessor
 
     from trl_vlm_fixes import REGISTRY
     from trl_vlm_fixes.selftest.fixtures import build_trainer
-
-    import trl.generation.vllm_generation as vllm_generation
 
     model_dir = family_model_dir(family)
     simulated_gpu(capability, True)

@@ -52,7 +52,11 @@ def test_bad_backend_fails_the_import_naming_the_variable() -> None:
 @pytest.mark.usefixtures("old_kernel")
 @pytest.mark.parametrize("backend", VALID_BACKENDS)
 def test_vllm_resolves_the_backend_the_engine_gets(
-    make_generation: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None], backend: str
+    make_generation: Any,
+    tiny_model_dir: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    reapply: Callable[[], None],
+    backend: str,
 ) -> None:
     """The arguments TRL's engine receives, read by vLLM's own EngineArgs: the kernel vLLM will select."""
     pytest.importorskip("vllm")

@@ -151,7 +151,7 @@ def test_nested_launchers_of_two_installations_run_the_user_sitecustomize_once(t
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('user sitecustomize')\n")
     # the script starts the other installation's launcher (its own file: this process imported ours already)
-    final = 'import sys; print(\"ran\", sys.modules[\"trl_vlm_fixes\"].ACTIVATION)'
+    final = 'import sys; print("ran", sys.modules["trl_vlm_fixes"].ACTIVATION)'
     inner = f"import runpy, sys; run = runpy.run_path({str(other / 'trl_vlm_fixes' / 'launcher.py')!r})['run']; "
     inner += f"run(['--', sys.executable, '-c', '{final}'])"
     started = run([*launcher(), "run", "--", sys.executable, "-c", inner], env={"PYTHONPATH": str(site)}, cwd=tmp_path)
@@ -297,7 +297,9 @@ def test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started(
         assert engine["kwargs"]["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"
         assert engine["states"] == {"cudagraph": "applied", "gdn_prefill": "applied"}
     lines = [line for line in launched.stderr.splitlines() if line.startswith("trl_vlm_fixes: trl vllm-serve built")]
-    assert len(lines) == workers and all("built the vLLM engine with cudagraph_mode=PIECEWISE" in line for line in lines)
+    assert len(lines) == workers and all(
+        "built the vLLM engine with cudagraph_mode=PIECEWISE" in line for line in lines
+    )
 
 
 @pytest.mark.slow
@@ -351,7 +353,7 @@ def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_mo
     assert advice(server) == []
     # README's YAML route: TRL writes unknown keys as `--compilation_config <value>`, which vLLM reads too
     config = tmp_path / "serve.yaml"
-    config.write_text("compilation_config: '{\"cudagraph_mode\": \"PIECEWISE\"}'\ngdn_prefill_backend: triton\n")
+    config.write_text('compilation_config: \'{"cudagraph_mode": "PIECEWISE"}\'\ngdn_prefill_backend: triton\n')
     assert advice([*launcher(), "run", "--", *server, "--config", str(config)]) == []
 
 

@@ -359,4 +359,3 @@ def test_the_engine_trl_builds_runs_a_backend_its_pushes_land_in(
     setting, warnings = read_back(_Engine(push.engine.model)) or ("", [])
     assert setting == f"MoE backend={backend}"
     assert bool(warnings) is not fix_on
-

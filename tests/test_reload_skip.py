@@ -300,7 +300,6 @@ def test_stand_in_matches_the_real_vllm_signatures() -> None:
                 assert parameter.default == real[name].default, (method, name)
 
 
-
 def test_engine_arguments_are_ones_the_real_vllm_knows(make_generation: Callable[..., Any]) -> None:
     """Every argument TRL and the plugin pass to LLM(...) (captured by the stand-in) is a named parameter of the
     real ``LLM.__init__`` or a field of vLLM's ``EngineArgs``: ``**kwargs`` would accept a typo, this does not."""

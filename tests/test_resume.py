@@ -1,5 +1,6 @@
-"""watchdog/resume: a restart after a watchdog exit resumes from the last checkpoint on the resumed weights, and a hang
-repeated at one step is named and followed by an engine with the protected settings.
+"""watchdog/resume: a restart after a watchdog exit resumes from the last checkpoint that can resume, on the resumed
+weights; an engine hang repeated at one step is named and the restart's engine gets the protected settings; a healthy
+run (a slow first weight push, a slow checkpoint save under tensor parallelism) is never ended.
 
 Upstream (``TRL_VLM_FIXES_WATCHDOG_RESUME=0``, or the fixes reverted) a restarted job starts again from step 0:
 ``trl grpo`` calls ``train()`` with no checkpoint and transformers ignores the field of the training arguments.
@@ -8,7 +9,6 @@ Upstream (``TRL_VLM_FIXES_WATCHDOG_RESUME=0``, or the fixes reverted) a restarte
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -36,41 +36,48 @@ def first_rollout(attempt: list[dict[str, Any]]) -> dict[str, Any]:
     return next(entry for entry in attempt if entry["event"] == "generate")
 
 
-def run_program(command: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_program(command: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     environment = {**environment_without_switches(), "HF_HUB_OFFLINE": "1", "TRL_VLM_FIXES_WATCHDOG": LIMIT, **env}
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
-def run_ranks(model_dir: Path, base: Path, env: dict[str, str]) -> tuple[Any, Path, Path]:
-    """resume_ranks.py under ``torchrun --max-restarts 1`` (2 CPU ranks, gloo): rank 1 wedges once at step 3.
+def run_ranks(model_dir: Path, base: Path, env: dict[str, str], restarts: int = 1) -> tuple[Any, Path, Path]:
+    """resume_ranks.py under ``torchrun --max-restarts N`` (2 CPU ranks, gloo); by default rank 1 wedges once at step
+    3 of 4.
 
     ``--standalone`` (c10d rendezvous): each restart round gets fresh rendezvous keys, so a restarted gloo group never
     reads the dead round's addresses."""
     out, records = base / "out", base / "records"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "--max-restarts",
-        "1",
-        str(PROGRAM),
-        str(model_dir),
-        str(out),
-        str(records),
-    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*torchrun, "--max-restarts", str(restarts), str(PROGRAM), str(model_dir), str(out), str(records)]
     started = time.monotonic()
-    result = run_program(command, {"MAX_STEPS": "4", "WEDGE_RANK": "1", "WEDGE_STEP": "3", **env}, timeout=300)
-    print(f"torchrun, 2 ranks, one hang and one restart: {time.monotonic() - started:.0f} s")
+    result = run_program(command, {"MAX_STEPS": "4", "WEDGE_RANK": "1", "WEDGE_STEP": "3", **env}, timeout=400)
+    seconds = time.monotonic() - started
+    print(f"torchrun, 2 ranks, {env or 'one hang, one restart'}: exit {result.returncode} in {seconds:.0f} s")
     return result, out, records
+
+
+def single(model_dir: Path, base: Path, env: dict[str, str]) -> Any:
+    """One process of resume_ranks.py in ``base`` (rank 0 wedges at step 3 of 4, WEDGE_TIMES times over all runs)."""
+    command = [sys.executable, str(PROGRAM), str(model_dir), str(base / "out"), str(base / "records")]
+    started = time.monotonic()
+    result = run_program(command, {"MAX_STEPS": "4", "WEDGE_RANK": "0", "WEDGE_STEP": "3", **env})
+    print(f"one process, {env}: exit {result.returncode} in {time.monotonic() - started:.0f} s")
+    return result
+
+
+def engine_arguments(base: Path, attempt: int) -> tuple[Any, Any]:
+    """What the engine of that attempt received in TRL's ``LLM(...)`` call (the stand-in's ``init_kwargs``)."""
+    start = attempts(base / "records", 0)[attempt][0]
+    assert start["event"] == "start"
+    return start["compilation_config"], start["gdn_prefill_backend"]
 
 
 @pytest.mark.slow
 def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_dir: Path, tmp_path: Path) -> None:
     result, out, records = run_ranks(tiny_model_dir, tmp_path, OFF)
-    assert "exitcode: 75" in result.stderr and result.returncode == 0, result.stderr[-4000:]
+    # torchrun names rank 1's own exit status, restarts both ranks, and exits 0 once the restarted round ends well
+    assert "failed (exitcode: 75) local_rank: 1" in result.stderr and result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         _, restarted = attempts(records, rank)
         assert first_rollout(restarted)["step"] == 0 and first_rollout(restarted)["on_base"]  # from scratch
@@ -80,14 +87,14 @@ def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_di
 
 @pytest.mark.slow
 def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Rank 1's generate wedges at step 3: the watchdog ends it (75), torchrun ends rank 0 and restarts both; both
+    """Rank 1's engine wedges at step 3: the watchdog ends it (75), torchrun ends rank 0 and restarts both; both
     resume from checkpoint-3 (rank 0 wrote no report: it reads rank 1's), the first rollout runs on the resumed
     weights on both ranks, training ends at exactly max_steps, and the report is marked as used."""
     from trl_vlm_fixes.patches.watchdog.resume import unused_reports
 
     result, out, records = run_ranks(tiny_model_dir, tmp_path, {})
-    assert "exitcode: 75" in result.stderr and result.returncode == 0, result.stderr[-4000:]
-    assert result.stderr.count("ended by the rollout watchdog (hang at step 3") == 1  # one line, from rank 0
+    assert "failed (exitcode: 75) local_rank: 1" in result.stderr and result.returncode == 0, result.stderr[-4000:]
+    assert result.stderr.count("ended by the watchdog (hang at step 3") == 1  # one line, from rank 0
     assert f"resuming from {out / 'checkpoint-3'}" in result.stderr
     for rank in (0, 1):
         hung, resumed = attempts(records, rank)
@@ -99,46 +106,111 @@ def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(tiny_model
     assert unused_reports(out) == {} and (out / "trl_vlm_fixes_hang_rank1.resumed.txt").exists()
 
 
-def single(model_dir: Path, out: Path, records: Path, env: dict[str, str]) -> Any:
-    """One process of resume_ranks.py (rank 0 wedges at step 3, WEDGE_TIMES times over all runs)."""
-    command = [sys.executable, str(PROGRAM), str(model_dir), str(out), str(records)]
-    return run_program(command, {"MAX_STEPS": "4", "WEDGE_RANK": "0", "WEDGE_STEP": "3", "WEDGE_TIMES": "2", **env})
+@pytest.mark.slow
+def test_an_engine_hang_repeated_at_one_step_is_named_and_the_restart_is_protected(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The same batch replayed hangs the engine again: the report says so, and the engine the restart builds receives
+    cudagraph_mode=NONE and Triton GDN prefill, though the user asked for the fast settings; after a single hang it
+    receives what the user asked for."""
+    from trl_vlm_fixes.patches.watchdog.resume import REPEATED, unused_reports
+
+    fast = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "flashinfer"}
+    first = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})
+    assert first.returncode == 75, first.stderr[-3000:]
+    report = (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.txt").read_text()
+    assert "watch: engine-step" in report and REPEATED not in report
+
+    once = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})  # after one hang: what the user asked for
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert engine_arguments(tmp_path, 1) == ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, "flashinfer")
+
+    again = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})  # resumes at step 3, hangs there again
+    assert again.returncode == 75, again.stderr[-3000:]
+    assert [e["step"] for e in attempts(tmp_path / "records", 0)[2] if e["event"] == "generate"] == []
+    ((_, report),) = unused_reports(tmp_path / "out").items()
+    assert "at step 3." in report.splitlines()[0]
+    assert f"{REPEATED} the run restarted after an engine hang at step 3" in report
+
+    restart = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert engine_arguments(tmp_path, 3) == ({"cudagraph_mode": "NONE"}, "triton")
+    assert restart.stderr.count("hung twice at step 3 in the engine") == 1
+    assert "(the protected settings: the last run hung twice at one step)" in restart.stderr
 
 
 @pytest.mark.slow
-def test_a_hang_repeated_at_one_step_is_named_and_the_restart_is_protected(
+def test_a_slow_checkpoint_save_under_tensor_parallelism_never_ends_the_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The same batch replayed hangs again: with the fix, the report says so and the restart after it builds the
-    engine with the protected settings (one log line); upstream the restart replays from step 0 and nothing is named."""
-    from trl_vlm_fixes.patches.watchdog.resume import REPEATED, protected_after_repeated_hang
+    """vllm_tensor_parallel_size=2 on two gloo ranks (TRL's colocate TP path: its prompt gather across the pair, the
+    stand-in as the engine), a checkpoint every step, rank 0's first save 30 s long (mid-save, after the weights):
+    rank 1 waits for it in TRL's gather and the run goes on (a 10 s limit used to end rank 1 and cut rank 0's save)."""
+    from trl_vlm_fixes.patches.watchdog.checkpoints import missing
 
-    first = single(tiny_model_dir, tmp_path / "on" / "out", tmp_path / "on" / "records", {})
+    env = {"MAX_STEPS": "2", "TP": "2", "SLOW_SAVE_SECONDS": "30", "SLOW_SAVE_STEPS": "1", "WEDGE_TIMES": "0"}
+    result, out, records = run_ranks(tiny_model_dir, tmp_path, env, restarts=0)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not list(out.glob("trl_vlm_fixes_hang_rank*")) and "exitcode" not in result.stderr
+    ((rank0,), (rank1,)) = attempts(records, 0), attempts(records, 1)
+    assert rank0[-1]["steps"] == rank1[-1]["steps"] == 2
+    saved = next(e["at"] for e in rank0 if e["event"] == "saved" and e["step"] == 1)
+    entered = [e["entered"] for e in rank1 if e["event"] == "generate"]
+    assert entered[1] >= saved - 1 and entered[1] - entered[0] > 30  # rank 1 waited out the save in the TP gather
+    for step in (1, 2):
+        assert missing(out / f"checkpoint-{step}", world_size=2, deepspeed=False) == []
+
+
+@pytest.mark.slow
+def test_a_slow_first_weight_push_passes_in_every_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The first weight push of each process takes 12 s, above the 10 s floor: a first call may take 10 x the floor,
+    so neither the first run nor a second one in that output_dir is ended (nor a "repeated hang" made of them); the
+    learned limit is kept in output_dir."""
+    slow = {"SLOW_PUSH_SECONDS": "12", "MAX_STEPS": "2", "WEDGE_TIMES": "0"}
+    for run in range(2):
+        result = single(tiny_model_dir, tmp_path, slow)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert attempts(tmp_path / "records", 0)[run][-1]["steps"] == 2
+        assert engine_arguments(tmp_path, run)[0] == {"cudagraph_mode": "PIECEWISE"}
+    assert not list((tmp_path / "out").glob("trl_vlm_fixes_hang_rank*"))
+    learned = json.loads((tmp_path / "out" / "trl_vlm_fixes_watchdog_limits_rank0.json").read_text())
+    assert learned["sync_weights"] >= 12
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_resume_is_not_resumed_into(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """save_only_model=True: the checkpoints hold no optimizer, scheduler or RNG state, which transformers would skip
+    without a word. The restart says so in one line and starts at step 0 as upstream does; the report is used."""
+    from trl_vlm_fixes.patches.watchdog.resume import unused_reports
+
+    first = single(tiny_model_dir, tmp_path, {"SAVE_ONLY_MODEL": "1", "WEDGE_STEP": "2"})
     assert first.returncode == 75, first.stderr[-3000:]
-    shutil.copytree(tmp_path / "on", tmp_path / "off")  # the same first hang, restarted both ways
+    restart = single(tiny_model_dir, tmp_path, {"SAVE_ONLY_MODEL": "1", "CRASH_AT_GENERATE": "1"})
+    assert restart.returncode == 1 and "CRASH_AT_GENERATE" in restart.stderr, restart.stderr[-3000:]
+    lacks = "checkpoint-2 lacks optimizer.pt, scheduler.pt, rng_state.pth (save_only_model=True saves the weights only)"
+    line = f"no checkpoint can resume ({lacks}): starting from step 0"
+    assert restart.stderr.count(line) == 1, restart.stderr[-3000:]
+    assert first_rollout(attempts(tmp_path / "records", 0)[1])["step"] == 0
+    assert unused_reports(tmp_path / "out") == {}
 
-    upstream = single(tiny_model_dir, tmp_path / "off" / "out", tmp_path / "off" / "records", OFF)
-    assert upstream.returncode == 75, upstream.stderr[-3000:]
-    assert first_rollout(attempts(tmp_path / "off" / "records", 0)[1])["step"] == 0  # replayed from step 0
-    assert REPEATED not in (tmp_path / "off" / "out" / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert not protected_after_repeated_hang(tmp_path / "off" / "out")
 
-    again = single(tiny_model_dir, tmp_path / "on" / "out", tmp_path / "on" / "records", {})
-    assert again.returncode == 75, again.stderr[-3000:]
-    assert [e["step"] for e in attempts(tmp_path / "on" / "records", 0)[1] if e["event"] == "generate"] == []
-    report = (tmp_path / "on" / "out" / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert "at step 3." in report.splitlines()[0] and f"{REPEATED} the run restarted after a hang at step 3" in report
-
-    fast = {"BUILD_ONLY": "1", "TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE"}
-    restart = single(tiny_model_dir, tmp_path / "on" / "out", tmp_path / "on" / "records", fast)
-    assert restart.returncode == 0, restart.stderr[-3000:]
-    assert attempts(tmp_path / "on" / "records", 0)[2][0]["protected"] is True
-    assert restart.stderr.count("hung twice at step 3") == 1
-    assert "protected settings (cudagraph_mode=FULL_AND_PIECEWISE -> NONE)" in restart.stderr
+@pytest.mark.slow
+def test_the_report_is_used_once_read_even_if_the_restart_never_ends_a_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The restart resumes and dies in its first rollout: the report is marked used all the same, so a later fresh
+    start in that output_dir (a new config) starts at step 0 instead of resuming."""
+    first = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "2"})
+    assert first.returncode == 75, first.stderr[-3000:]
+    for attempt, step in ((1, 2), (2, 0)):  # the restart resumes at step 2; the later start does not resume
+        result = single(tiny_model_dir, tmp_path, {"CRASH_AT_GENERATE": "1"})
+        assert result.returncode == 1 and "CRASH_AT_GENERATE" in result.stderr, result.stderr[-3000:]
+        assert first_rollout(attempts(tmp_path / "records", 0)[attempt])["step"] == step
+    assert (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.resumed.txt").exists()
 
 
 def test_resume_from_checkpoint_in_the_arguments_and_the_first_rollout_after_it(
-    make_trainer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, one_fix_off: Any
+    make_trainer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, reapply: Any, one_fix_off: Any
 ) -> None:
     """``resume_from_checkpoint`` in the training arguments (a config file, ``--resume_from_checkpoint``) is ignored
     upstream (train() starts from step 0); with the fix it resumes. Colocate + sleep mode: the first rollout after the
@@ -176,6 +248,7 @@ def test_resume_from_checkpoint_in_the_arguments_and_the_first_rollout_after_it(
     train(2, save_strategy="steps", save_steps=1)
     checkpoint = str(Path(holder["trainer"].args.output_dir) / "checkpoint-2")
     monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG_RESUME", "0")
+    reapply()  # read at apply()
     assert train(3, resume_from_checkpoint=checkpoint)["step"] == 0  # upstream: the field is ignored
     monkeypatch.delenv("TRL_VLM_FIXES_WATCHDOG_RESUME")
     one_fix_off("reload_skip")
@@ -223,7 +296,12 @@ def _install(module):
 
 wrapt.register_post_import_hook(_install, "trl.generation.vllm_generation")
 '''
-RESTART_LOOP = 'tries=0; until "$@"; do tries=$((tries + 1)); [ "$tries" -ge 2 ] && exit 1; echo restart >&2; done'
+# a user's restart loop (one restart here), saying what exit status it saw: `trl grpo` runs the script through
+# `accelerate launch`, which exits 1 and names the script's 75 in its CalledProcessError
+RESTART_LOOP = (
+    'tries=0; until "$@"; do status=$?; tries=$((tries + 1)); [ "$tries" -ge 2 ] && exit 1; '
+    'echo "restart after exit $status" >&2; done'
+)
 
 
 def run_cli_with_restarts(model_dir: Path, base: Path, env: dict[str, str]) -> tuple[Any, list[list[dict[str, Any]]]]:
@@ -274,24 +352,42 @@ def test_trl_cli_restarted_by_a_shell_loop_resumes(tiny_model_dir: Path, tmp_pat
     model; with the fix it resumes from checkpoint-3 and its first rollout runs on those weights."""
     (tmp_path / "off").mkdir()
     upstream, (_, restarted) = run_cli_with_restarts(tiny_model_dir, tmp_path / "off", OFF)
-    assert upstream.returncode == 0 and upstream.stderr.count("restart\n") == 1, upstream.stderr[-3000:]
+    assert upstream.returncode == 0 and upstream.stderr.count("restart after exit 1\n") == 1, upstream.stderr[-3000:]
+    assert "returned non-zero exit status 75." in upstream.stderr  # accelerate's CalledProcessError, the script's 75
     assert len(restarted) == 4 and restarted[0]["on_base"]  # 4 steps again, from the base model
 
     (tmp_path / "on").mkdir()
     fixed, (_, resumed) = run_cli_with_restarts(tiny_model_dir, tmp_path / "on", {})
-    assert fixed.returncode == 0 and fixed.stderr.count("restart\n") == 1, fixed.stderr[-3000:]
+    assert fixed.returncode == 0 and fixed.stderr.count("restart after exit 1\n") == 1, fixed.stderr[-3000:]
+    assert "returned non-zero exit status 75." in fixed.stderr
     assert "resuming from" in fixed.stderr and "checkpoint-3" in fixed.stderr
     assert resumed == [{"pid": resumed[0]["pid"], "on_base": False, "on_checkpoint_3": True}]  # step 3 only
 
 
-def test_resume_passes_over_a_checkpoint_cut_short(tmp_path: Path) -> None:
-    """A save ended by the process's end has no trainer_state.json (transformers writes it last): not resumed into."""
-    from trl_vlm_fixes.patches.watchdog.resume import last_complete_checkpoint
+@pytest.mark.stack_independent
+def test_only_a_checkpoint_that_can_resume_is_resumed_into(tmp_path: Path) -> None:
+    """Trainer state, optimizer, scheduler and the RNG state of every rank, as the run saves them; a save cut short
+    (no trainer_state.json, or one rank's RNG state missing) and a save_only_model checkpoint are passed over."""
+    from trl_vlm_fixes.patches.watchdog.checkpoints import last_resumable, missing
 
-    for step, complete in ((2, True), (3, True), (4, False)):
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        if complete:
-            (folder / "trainer_state.json").write_text("{}")
-    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
-    assert last_complete_checkpoint(str(tmp_path / "checkpoint-4")) is None
+    full = ["trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"]
+    for step, files in (
+        (2, full),
+        (3, [name for name in full if name != "rng_state_1.pth"]),  # rank 1 died before its RNG state
+        (4, ["optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"]),  # rank 0 cut short
+    ):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        for name in files:
+            (tmp_path / f"checkpoint-{step}" / name).write_text("")
+    assert last_resumable(str(tmp_path), 2, deepspeed=False) == (str(tmp_path / "checkpoint-2"), "")
+    assert missing(tmp_path / "checkpoint-3", 2, deepspeed=False) == ["rng_state_1.pth"]
+    assert missing(tmp_path / "checkpoint-2", 1, deepspeed=False) == ["rng_state.pth"]  # another world size
+    assert missing(tmp_path / "checkpoint-2", 2, deepspeed=True) == ["global_step*/ (DeepSpeed state)"]
+    only_model = tmp_path / "only_model" / "checkpoint-5"
+    only_model.mkdir(parents=True)
+    (only_model / "trainer_state.json").write_text("")
+    assert last_resumable(str(tmp_path / "only_model"), 1, deepspeed=False) == (
+        None,
+        "checkpoint-5 lacks optimizer.pt, scheduler.pt, rng_state.pth",
+    )
+    assert last_resumable(str(tmp_path / "none"), 1, deepspeed=False) == (None, "no checkpoint in it yet")

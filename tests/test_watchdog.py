@@ -6,10 +6,13 @@ full stderr pipe, a C call that holds the GIL (``programs/hang_armed.py`` makes 
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,8 @@ def test_a_generate_that_never_returns_ends_the_process_with_75(tiny_model_dir: 
     result, _ = run_hang_program(tiny_model_dir, tmp_path, {"TRL_VLM_FIXES_WATCHDOG": str(limit)}, 240)
     assert result.returncode == 75, result.stderr[-3000:]
     report = (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert "VLLMGeneration.generate" in report and "at step 0" in report
+    assert "LLM.generate (colocate): the wait for the next engine step" in report and "at step 0" in report
+    assert "watch: engine-step" in report
     assert ("gdn_prefill_backend=triton" in report) == gdn_prefill_acts() and "resume_from_checkpoint" in report
     assert "cudagraph_mode=PIECEWISE" in report  # the engine's settings
     assert "ran longer than 10 s" in result.stderr and "resume_from_checkpoint" in result.stderr
@@ -67,15 +71,18 @@ def test_a_normal_run_never_fires(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_hang_on_one_rank_ends_both_under_accelerate(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_a_hang_on_one_rank_ends_both_under_a_launcher(launcher: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 exits 75; the launcher stops rank 0 and itself exits 1 (torchelastic's ChildFailedError, no restart
+    left), naming rank 1's own exit status in its table: what a restart loop around `accelerate launch` or `torchrun`
+    sees."""
     from conftest import free_port
 
-    command = [
-        *accelerate_two_cpu_ranks(free_port()),
-        str(PROGRAMS / "hang_generate.py"),
-        str(tiny_model_dir),
-        str(tmp_path),
-    ]
+    if launcher == "accelerate":
+        launch = accelerate_two_cpu_ranks(free_port())
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*launch, str(PROGRAMS / "hang_generate.py"), str(tiny_model_dir), str(tmp_path)]
     env = {
         **environment_without_switches(),
         "TRL_VLM_FIXES_WATCHDOG": "10",
@@ -84,9 +91,10 @@ def test_a_hang_on_one_rank_ends_both_under_accelerate(tiny_model_dir: Path, tmp
     }
     started = time.monotonic()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
-    assert result.returncode != 0, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "ChildFailedError" in result.stderr, result.stderr[-3000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: 75 ", result.stderr), result.stderr[-3000:]
     assert (tmp_path / "trl_vlm_fixes_hang_rank1.txt").exists()
-    assert "exitcode  : 75" in result.stderr or "exit code 75" in result.stderr, result.stderr[-3000:]
     assert time.monotonic() - started < 280
 
 
@@ -99,6 +107,7 @@ HARD_HANGS = {
 }
 
 
+@pytest.mark.stack_independent
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(HARD_HANGS))
 def test_the_watchdog_ends_every_hard_hang_with_75(case: str, tmp_path: Path) -> None:
@@ -127,6 +136,7 @@ def test_the_watchdog_ends_every_hard_hang_with_75(case: str, tmp_path: Path) ->
         assert "at step 7" in (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
 
 
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_disarmed_watchdog_never_fires() -> None:
     """The backstop's kernel timers are cleared with the last disarm: a healthy run outlives every delay."""
@@ -145,6 +155,7 @@ def test_a_disarmed_watchdog_never_fires() -> None:
     assert last_json(result) == {"backstop": "_PosixTimers"}
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize(
     ("value", "seconds"),
     [
@@ -163,128 +174,42 @@ def test_a_disarmed_watchdog_never_fires() -> None:
     ],
 )
 def test_watchdog_switch_values(value: str, seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trl_vlm_fixes.switches import DEFAULT_WATCHDOG_SECONDS, watchdog_seconds
+    from trl_vlm_fixes.patches.watchdog import DEFAULT_SECONDS, SECONDS, parse_seconds
 
     monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", value)
-    assert DEFAULT_WATCHDOG_SECONDS == 600  # 10 minutes without an engine step
-    assert watchdog_seconds() == seconds
+    assert DEFAULT_SECONDS == 600  # 10 minutes without an engine step
+    assert SECONDS.read()[0] == seconds == parse_seconds(value)  # the setting apply() reads, and its parser
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("value", ["5", "-3", "abc", "9.99", "0.0", "inf", "nan", "1800s"])
 def test_bad_watchdog_values_are_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trl_vlm_fixes.switches import SwitchValueError, watchdog_seconds
+    from trl_vlm_fixes.patches.watchdog import SECONDS
+    from trl_vlm_fixes.switches import SwitchValueError
 
     monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", value)
     with pytest.raises(SwitchValueError) as error:
-        watchdog_seconds()
+        SECONDS.read()
+    with pytest.raises(SwitchValueError, match=re.escape(f"TRL_VLM_FIXES_WATCHDOG={value!r}")):
+        SECONDS.read(value)  # trl_vlm_fixes.apply(watchdog={"seconds": value})
     assert f"TRL_VLM_FIXES_WATCHDOG={value!r}" in str(error.value)
     assert "on/true/yes/1" in str(error.value) and "off/false/no/0" in str(error.value)
     assert "at least 10" in str(error.value)
 
 
-@pytest.mark.parametrize("value", ["abc", "5"])
-def test_bad_watchdog_value_fails_the_import(value: str) -> None:
-    result = run_python("import trl_vlm_fixes", env={"TRL_VLM_FIXES_WATCHDOG": value})
-    assert result.returncode != 0 and f"TRL_VLM_FIXES_WATCHDOG={value!r}" in result.stderr
-    assert "off/false/no/0 (no watchdog)" in result.stderr
-
-
-def colocated(steps: int) -> Any:
-    """A VLLMGeneration in colocate mode whose engine runs ``steps`` engine steps per generate (as vLLM's loop)."""
-    from types import SimpleNamespace
-
-    from trl_vlm_fixes.selftest.engine_standin import RequestOutput, _EngineLoop
-
-    engine = _EngineLoop()
-
-    def generate() -> int:
-        engine.admit([RequestOutput([1], [SimpleNamespace(token_ids=[2] * steps)])])  # type: ignore[list-item]
-        while engine.has_unfinished_requests():
-            engine.step()
-        return engine.steps
-
-    return SimpleNamespace(mode="colocate", llm=SimpleNamespace(llm_engine=engine, generate=generate))
-
-
-def test_the_limit_is_read_at_apply_not_at_each_generate(monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
-    from trl_vlm_fixes.patches import watchdog
-
-    monkeypatch.setattr(watchdog, "_limit", watchdog._limit)  # put back afterwards
-    monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", "30")
-    assert watchdog.selected_limit() == 30  # what apply() does
-    monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", "abc")  # changed mid-run: neither read nor refused
-    armed: list[float] = []
-    monkeypatch.setattr(watchdog.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
-    monkeypatch.setattr(watchdog.WATCHDOG, "disarm", lambda token: None)
-    monkeypatch.setattr(watchdog.WATCHDOG, "progress", lambda token: None)
-    generation = colocated(3)
-    assert watchdog.generate_wrapper(lambda: generation.llm.generate(), generation, (), {}) == 3
-    server = SimpleNamespace(mode="server", llm=None)
-    assert watchdog.generate_wrapper(lambda: "rollout", server, (), {}) == "rollout"
-    assert armed == [30, 3 * 30]  # colocate: the progress limit; server: a total, 3x it until one has completed
-
-
-def test_every_engine_step_restarts_the_clock_and_the_hook_goes_away(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Colocate: one progress() per engine step that returned; after the generate (or its error) vLLM's step is back."""
-    from trl_vlm_fixes.patches import watchdog
-
-    monkeypatch.setattr(watchdog, "_limit", 30.0)
-    progressed: list[int] = []
-    monkeypatch.setattr(watchdog.WATCHDOG, "progress", progressed.append)
-    generation = colocated(5)
-    assert watchdog.generate_wrapper(lambda: generation.llm.generate(), generation, (), {}) == 5
-    assert len(progressed) == 5 and len(set(progressed)) == 1  # one watch, re-armed per step
-    assert "step" not in vars(generation.llm.llm_engine)
-
-    def fails() -> None:
-        generation.llm.llm_engine.step()
-        raise RuntimeError("engine died")
-
-    with pytest.raises(RuntimeError):
-        watchdog.generate_wrapper(fails, generation, (), {})
-    assert "step" not in vars(generation.llm.llm_engine) and len(progressed) == 6
-    assert not watchdog.WATCHDOG._armed
-
-
-def test_an_inner_watch_stops_the_outer_clock_and_progress_restarts_it() -> None:
-    import math
-
-    from trl_vlm_fixes.patches.watchdog.timer import Watchdog
-
-    dog = Watchdog()
-    never: Any = lambda: pytest.fail("fired")  # noqa: E731
-    outer = dog.arm(30, never)
-    first = dog._armed[outer].deadline
-    time.sleep(0.05)
-    dog.progress(outer)
-    assert dog._armed[outer].deadline > first  # a step returned: the full limit again
-    inner = dog.arm(1000, never)  # a weight push inside the generate: its own, longer limit
-    assert dog._armed[outer].deadline == math.inf
-    dog.progress(outer)  # no effect while the inner call is watched
-    assert dog._armed[outer].deadline == math.inf
-    dog.disarm(inner)
-    assert 29 < dog._armed[outer].deadline - time.monotonic() <= 30
-    dog.disarm(outer)
-    assert dog._armed == {} and dog._stacks == {}
-
-
-def test_a_phase_limit_is_learned_from_its_completed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trl_vlm_fixes.patches.watchdog import phases
-
-    armed: list[float] = []
-    monkeypatch.setattr(phases.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
-    monkeypatch.setattr(phases.WATCHDOG, "disarm", lambda token: None)
-    phase = phases.Phase("a test phase", "a test")
-    clock = iter([100.0, 160.0, 200.0, 201.0, 300.0, 301.0, 400.0])  # a call of 60 s, then two of 1 s
-    monkeypatch.setattr(phases.time, "monotonic", lambda: next(clock))
-    for _ in range(3):
-        phases.run_watched(phase, 20.0, None, lambda: None)
-    assert armed == [20.0, 600.0, 600.0]  # the floor until one completed, then 10 x the slowest completed call
-    with pytest.raises(ValueError):  # a call that raised teaches nothing
-        phases.run_watched(phase, 20.0, None, lambda: int("x"))
-    assert phase.slowest == 60.0
+@pytest.mark.stack_independent
+@pytest.mark.parametrize(
+    ("variable", "value", "accepted"),
+    [
+        ("TRL_VLM_FIXES_WATCHDOG", "abc", "off/false/no/0 (no watchdog)"),
+        ("TRL_VLM_FIXES_WATCHDOG", "5", "off/false/no/0 (no watchdog)"),
+        ("TRL_VLM_FIXES_WATCHDOG_RESUME", "maybe", "1/0, true/false"),
+    ],
+)
+def test_bad_watchdog_value_fails_the_import(variable: str, value: str, accepted: str) -> None:
+    result = run_python("import trl_vlm_fixes", env={variable: value})
+    assert result.returncode != 0 and f"{variable}={value!r}" in result.stderr
+    assert accepted in result.stderr
 
 
 def run_phase_program(tiny_model_dir: Path, tmp_path: Path, env: dict[str, str], timeout: float) -> Any:
@@ -321,24 +246,29 @@ def test_a_rollout_that_stops_making_progress_ends_with_75(tiny_model_dir: Path,
     hang_to_exit = exited - float((tmp_path / "hang_started").read_text())
     assert limit <= hang_to_exit <= limit + 15, hang_to_exit
     report = (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert "the wait for the next vLLM engine step ran longer than 10 s" in report and "at step 0" in report
+    assert "the wait for the next engine step ran longer than 10 s" in report and "at step 0" in report
     print(f"a stalled rollout: exit 75 {hang_to_exit:.1f} s after its last engine step (limit {limit} s)")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "named"),
-    [("sync_weights", "VLLMGeneration.sync_weights"), ("optimizer_step", "the optimizer step")],
+    [("sync_weights", "VLLMGeneration.sync_weights"), ("server_generate", "VLLMClient.generate (server mode")],
 )
-def test_a_hang_in_another_phase_ends_with_75(phase: str, named: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    limit = 10
-    result, _ = run_phase_program(tiny_model_dir, tmp_path, {"PHASE": phase}, 240)
+def test_a_call_without_progress_that_never_returns_ends_with_75(
+    phase: str, named: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Its second call hangs: the first (generous limit) taught it, so the limit is the floor (3 x the floor for a
+    server generate) or 10 x that call's time; the report names the call, its limit and the rule."""
+    result, _ = run_phase_program(tiny_model_dir, tmp_path, {"PHASE": phase, "MAX_STEPS": "2"}, 300)
     exited = time.time()
     assert result.returncode == 75, result.stderr[-3000:]
-    hang_to_exit = exited - float((tmp_path / "hang_started").read_text())
-    assert limit - 2 <= hang_to_exit <= limit + 15, hang_to_exit  # the phase began a little before its hang
     report = (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert named in report and "ran longer than 10 s" in report and "at step 0" in report, report[:2000]
+    limit = float(re.search(r"ran longer than ([0-9.]+) s", report).group(1))  # type: ignore[union-attr]
+    floor = 30 if phase == "server_generate" else 10
+    assert floor <= limit < 120 and named in report and "at step 1" in report and f"watch: {phase}" in report
+    hang_to_exit = exited - float((tmp_path / "hang_started").read_text())
+    assert limit - 2 <= hang_to_exit <= limit + 15, hang_to_exit  # the call began a little before its hang
     print(f"{phase}: exit 75 {hang_to_exit:.1f} s after the hang started (limit {limit} s)")
 
 
@@ -371,6 +301,106 @@ def test_watchdog_off_means_no_thread_even_after_a_generate(tiny_model_dir: Path
     assert "trl_vlm_fixes-watchdog" in report["on"]  # the check can fail: a generate does start the thread
 
 
+def colocated(steps: int) -> Any:
+    """A VLLMGeneration in colocate mode whose engine runs ``steps`` engine steps per generate (as vLLM's loop)."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.selftest.engine_standin import RequestOutput, _EngineLoop
+
+    engine = _EngineLoop()
+
+    def generate() -> int:
+        engine.admit([RequestOutput([1], [SimpleNamespace(token_ids=[2] * steps)])])  # type: ignore[list-item]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine.steps
+
+    return SimpleNamespace(mode="colocate", llm=SimpleNamespace(llm_engine=engine, generate=generate))
+
+
+def trl_generate(generation: Any, armed: list[Any]) -> Callable[[], Any]:
+    """TRL's generate as far as the watchdog cares: a gather across ranks, then the engine call."""
+
+    def call() -> Any:
+        armed.append(("gather", len(armed)))  # nothing may be armed while other ranks are waited for
+        return generation.llm.generate()
+
+    return call
+
+
+@pytest.mark.stack_independent
+def test_the_limit_is_read_at_apply_not_at_each_generate(
+    monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]
+) -> None:
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import watchdog
+    from trl_vlm_fixes.registry import value
+
+    monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", "30")
+    reapply()  # what apply() does: the setting is read, the limit fixed
+    assert value("watchdog", "seconds") == 30
+    monkeypatch.setenv("TRL_VLM_FIXES_WATCHDOG", "abc")  # changed mid-run: neither read nor refused
+    armed: list[Any] = []
+    monkeypatch.setattr(watchdog.engine.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
+    monkeypatch.setattr(watchdog.engine.WATCHDOG, "disarm", lambda token: None)
+    monkeypatch.setattr(watchdog.engine.WATCHDOG, "progress", lambda token: None)
+    generation = colocated(3)
+    assert watchdog.generate_wrapper(trl_generate(generation, armed), generation, (), {}) == 3
+    server = SimpleNamespace(mode="server", vllm_client=SimpleNamespace(generate=lambda: "rollout"))
+    monkeypatch.setattr(watchdog.limits.SERVER_GENERATE, "completed", False)
+    assert watchdog.generate_wrapper(lambda: server.vllm_client.generate(), server, (), {}) == "rollout"
+    # colocate: the progress limit, armed after the gather; server: a total, 10 x the floor for a first call
+    assert armed == [("gather", 0), 30, 10 * 30]
+
+
+@pytest.mark.stack_independent
+def test_every_engine_step_restarts_the_clock_and_the_hooks_go_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colocate: one progress() per engine step that returned; after the generate (or its error) vLLM's step and
+    generate are back; a gather before the engine call runs with nothing armed."""
+    from trl_vlm_fixes.patches import watchdog
+
+    monkeypatch.setattr(watchdog, "_floor", lambda: 30.0)
+    armed: list[Any] = []
+    progressed: list[int] = []
+    monkeypatch.setattr(watchdog.engine.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 7)
+    monkeypatch.setattr(watchdog.engine.WATCHDOG, "progress", progressed.append)
+    generation = colocated(5)
+    own_generate = generation.llm.generate
+    assert watchdog.generate_wrapper(trl_generate(generation, armed), generation, (), {}) == 5
+    assert armed == [("gather", 0), 30.0] and progressed == [7] * 5  # one watch, its clock restarted per step
+    assert "step" not in vars(generation.llm.llm_engine) and generation.llm.generate is own_generate
+
+    def fails() -> None:
+        generation.llm.llm_engine.step()  # a step outside the engine call: no watch, no progress
+        generation.llm.generate()
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError):
+        watchdog.generate_wrapper(fails, generation, (), {})
+    assert "step" not in vars(generation.llm.llm_engine) and generation.llm.generate is own_generate
+    assert len(progressed) == 5 + 5
+
+
+@pytest.mark.stack_independent
+def test_watches_are_independent_and_progress_restarts_a_clock() -> None:
+    from trl_vlm_fixes.patches.watchdog.timer import Watchdog
+
+    dog = Watchdog()
+    never: Any = lambda: pytest.fail("fired")  # noqa: E731
+    push = dog.arm(1000, never)
+    wake = dog.arm(30, never)  # a wake-up inside the push: its own limit, the push's clock runs on
+    first = dog._armed[wake].deadline
+    time.sleep(0.05)
+    dog.progress(wake)
+    assert dog._armed[wake].deadline > first and 999 < dog._armed[push].deadline - time.monotonic() <= 1000
+    dog.disarm(wake)
+    dog.disarm(push)
+    dog.disarm(push)  # twice: nothing
+    assert dog._armed == {}
+
+
+@pytest.mark.stack_independent
 def test_arm_and_disarm_leave_nothing_armed() -> None:
     from trl_vlm_fixes.patches.watchdog.timer import Watchdog
 
@@ -383,18 +413,135 @@ def test_arm_and_disarm_leave_nothing_armed() -> None:
     assert any(t.name == "trl_vlm_fixes-watchdog" for t in threading.enumerate())
 
 
-def test_the_first_watched_call_after_a_checkpoint_save_may_wait_for_rank_0() -> None:
-    """Under DDP only rank 0 writes a checkpoint and the others wait for it in their next watched call: that call gets
-    the save grace, once; the wrapper on transformers' _save_checkpoint (called by every rank) grants it."""
-    import transformers.trainer
+class Owner:
+    """A trainer as the watchdog reads it: rank, step, output_dir."""
 
-    from trl_vlm_fixes.patches.watchdog import phases
+    def __init__(self, output_dir: Path, rank: int = 0) -> None:
+        self.args = type("Args", (), {"output_dir": str(output_dir)})()
+        self.accelerator = type("Accelerator", (), {"process_index": rank})()
+        self.state = type("State", (), {"global_step": 4})()
 
-    assert phases.with_save_grace(600.0, 600.0) == 600.0
-    phases.save_wrapper(lambda: None, None, (), {})
-    assert phases.with_save_grace(600.0, 600.0) == phases.SAVE_GRACE_FACTOR * 600.0 > 600.0
-    assert phases.with_save_grace(600.0, 600.0) == 600.0  # once
-    import trl_vlm_fixes
 
-    assert transformers.trainer.Trainer  # imported: the wrapper is in place
-    assert "Trainer._save_checkpoint wrapped" in trl_vlm_fixes.status()["patches"]["watchdog"]["detail"]
+@pytest.mark.stack_independent
+def test_a_first_call_is_generous_then_limits_are_learned_and_kept_across_a_restart(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A first push of 12 s with a 10 s floor: allowed (10 x the floor for a first call); then the larger of the floor
+    and 10 x the slowest completed call; the restart reads the learned limit back from output_dir."""
+    from trl_vlm_fixes.patches.watchdog import limits, owners
+
+    armed: list[float] = []
+    monkeypatch.setattr(limits.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
+    monkeypatch.setattr(limits.WATCHDOG, "disarm", lambda token: None)
+    phase = limits.Phase("sync_weights", "a test phase", "a test")
+    monkeypatch.setattr(limits, "PHASES", (phase,))
+    trainer, watched = Owner(tmp_path), Owner(tmp_path)  # the watched object: any weak-referenceable one
+    owners.remember(trainer, watched)
+    clock = iter([100.0, 112.0, 200.0, 201.0, 300.0, 300.5])  # a first call of 12 s, then calls of 1 s and 0.5 s
+    monkeypatch.setattr(limits.time, "monotonic", lambda: next(clock))
+    for _ in range(3):
+        limits.run_watched(phase, 10.0, watched, lambda: None)
+    assert armed == [100.0, 120.0, 120.0]
+    with pytest.raises(ValueError):  # a call that raised teaches nothing
+        monkeypatch.setattr(limits.time, "monotonic", lambda: 0.0)
+        limits.run_watched(phase, 10.0, watched, lambda: int("x"))
+    assert phase.slowest == 12.0
+    kept = json.loads((tmp_path / "trl_vlm_fixes_watchdog_limits_rank0.json").read_text())
+    assert kept == {"sync_weights": 12.0}
+
+    restarted = limits.Phase("sync_weights", "a test phase", "a test")  # a new process: nothing learned yet
+    monkeypatch.setattr(limits, "PHASES", (restarted,))
+    assert restarted.limit(10.0) == 100.0
+    restarted.completed = True
+    assert restarted.limit(10.0) == 10.0
+    limits.restore(tmp_path)
+    assert restarted.limit(10.0) == 120.0  # what the last run learned
+    assert limits.SERVER_GENERATE.base(10.0) == 100.0 and limits.Phase("s", "", "", 3.0, 0, True).base(10.0) == 30.0
+
+
+@pytest.mark.stack_independent
+def test_a_push_that_waits_on_other_ranks_is_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ZeRO-3 or FSDP the push gathers parameters across ranks (a wait torch's process-group timeout covers):
+    not watched; an unsharded push is."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import watchdog
+
+    monkeypatch.setattr(watchdog, "_floor", lambda: 10.0)
+    armed: list[float] = []
+    monkeypatch.setattr(watchdog.limits.WATCHDOG, "arm", lambda seconds, context: armed.append(seconds) or 0)
+    monkeypatch.setattr(watchdog.limits.WATCHDOG, "disarm", lambda token: None)
+    wrapper = watchdog.FIX.targets[1].wrapper
+    for state, watched in (
+        (SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None), False),
+        (SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=object()), False),
+        (SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2), fsdp_plugin=None), True),
+        (SimpleNamespace(), True),
+    ):
+        armed.clear()
+        generation = SimpleNamespace(accelerator=SimpleNamespace(state=state))
+        assert wrapper(lambda: "pushed", generation, (), {}) == "pushed"
+        assert bool(armed) is watched, state
+
+
+@pytest.mark.slow
+def test_the_engine_build_is_not_watched_its_later_sleeps_are(
+    make_trainer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """TRL's _init_vllm puts the new engine to sleep: part of the build, not watched (and no report to `.`). Once
+    the trainer is built, the engine's sleep and wake-up are watched, their reports in its output_dir, and the limits
+    an earlier run learned there are read back (a wake-up that took 30 s: 10 x that, above a first call's 10 x 10 s)."""
+    from types import SimpleNamespace
+
+    import trl.generation.vllm_generation as vllm_generation
+    from vllm import LLM
+
+    from trl_vlm_fixes.patches import watchdog
+
+    calls: list[str] = []
+
+    class SleepyEngine(LLM):  # vLLM's own sleep and wake_up (wrapped on vllm.LLM), over no engine at all
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.llm_engine = SimpleNamespace(
+                sleep=lambda level, mode="abort": calls.append(f"sleep {level}"),
+                wake_up=lambda tags=None: calls.append("wake_up"),
+            )
+
+    armed: list[Any] = []
+    for phase in watchdog.limits.PHASES:  # this process's learned limits, put back after the test
+        monkeypatch.setattr(phase, "slowest", 0.0)
+        monkeypatch.setattr(phase, "completed", False)
+    monkeypatch.setattr(watchdog, "_floor", lambda: 10.0)
+    monkeypatch.setattr(watchdog.limits.WATCHDOG, "arm", lambda seconds, context: armed.append((seconds, context())))
+    monkeypatch.setattr(watchdog.limits.WATCHDOG, "disarm", lambda token: None)
+    monkeypatch.setattr(vllm_generation, "LLM", SleepyEngine)
+    learned_before = tmp_path / "grpo" / "trl_vlm_fixes_watchdog_limits_rank1.json"  # the run this one replaces
+    learned_before.parent.mkdir()
+    learned_before.write_text(json.dumps({"wake_up": 30.0}))
+    trainer = make_trainer("grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+    assert calls == ["sleep 2"] and armed == []  # the build's sleep
+    trainer.vllm_generation.llm.wake_up(tags=["weights"])
+    trainer.vllm_generation.llm.sleep(level=2)
+    assert calls == ["sleep 2", "wake_up", "sleep 2"]
+    where = trainer.args.output_dir
+    watched = [(seconds, context.watch, context.output_dir) for seconds, context in armed]
+    assert watched == [(300.0, "wake_up", where), (100.0, "sleep", where)]
+
+
+@pytest.mark.stack_independent
+def test_a_repeated_hang_is_named_only_for_the_engine_step_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "repeated hang" (and the protected restart after it) needs the engine-step rule to fire twice at one step; a
+    weight push, a sleep or a server generate hanging twice at one step never says so."""
+    from trl_vlm_fixes.patches.watchdog import report, resume
+
+    def context(watch: str, step: int) -> report.HangContext:
+        return report.HangContext("a call", 0, step, None, "-", "-", watch)
+
+    for watch in ("engine-step", "sync_weights", "wake_up", "server_generate"):
+        monkeypatch.setattr(resume, "_restarted_after", {("3", watch)})
+        named = resume.REPEATED in report.hang_report(10, context(watch, 3))
+        assert named is (watch == "engine-step"), watch
+    monkeypatch.setattr(resume, "_restarted_after", {("3", "sync_weights")})  # the last run's hang: another rule
+    assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))
+    monkeypatch.setattr(resume, "_restarted_after", {("2", "engine-step")})  # another step
+    assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))

@@ -169,8 +169,12 @@ def _construct(
         if reading is not None:
             setting, warnings = reading
             readings.append(setting)
-            report_runtime_state(contribution.fix_name, target_key, "applied", f"{builder.caller}: engine built with "
-                                 f"{setting} (read back from the built engine)")
+            report_runtime_state(
+                contribution.fix_name,
+                target_key,
+                "applied",
+                f"{builder.caller}: engine built with {setting} (read back from the built engine)",
+            )
             for warning in warnings:
                 LOGGER.warning("%s", warning)
     global last_engine_settings

@@ -30,9 +30,7 @@ GATED_DELTANET_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_
 def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
     """Is this process vLLM's server as TRL >= 1.11's ``trl vllm-serve`` execs it?"""
     return (
-        list(argv[1:4]) == TRL_SERVER_COMMAND
-        and environ.get("VLLM_SERVER_DEV_MODE") == "1"
-        and TRL_SERVER_FLAG in argv
+        list(argv[1:4]) == TRL_SERVER_COMMAND and environ.get("VLLM_SERVER_DEV_MODE") == "1" and TRL_SERVER_FLAG in argv
     )
 
 
@@ -66,7 +64,7 @@ def flags_to_pass(argv: Sequence[str]) -> list[str]:
     options = _options(argv)
     flags = []
     if active().is_enabled("cudagraph") and not _sets_cudagraph_mode(options):
-        flags.append(f"--compilation-config '{{\"cudagraph_mode\": \"{selected_mode()}\"}}'")
+        flags.append(f'--compilation-config \'{{"cudagraph_mode": "{selected_mode()}"}}\'')
     prefill_needed = active().is_enabled("gdn_prefill") and kernel_gone_reason() is None
     if prefill_needed and "--gdn-prefill-backend" not in dict(options):
         flags.append(f"--gdn-prefill-backend {selected_backend()}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,9 +9,6 @@ from typing import Any
 
 MASTER_SWITCH = "TRL_VLM_FIXES"
 STRICT_SWITCH = "TRL_VLM_FIXES_STRICT"
-# watchdog: resume after a watchdog exit (default on); 0: the watchdog still fires, a restart starts as upstream does
-WATCHDOG_RESUME_SWITCH = "TRL_VLM_FIXES_WATCHDOG_RESUME"
-BOOLEAN_SUB_SWITCHES = (WATCHDOG_RESUME_SWITCH,)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -58,49 +54,13 @@ def read_bool(variable: str, default: bool) -> bool:
     )
 
 
-WATCHDOG_SWITCH = "TRL_VLM_FIXES_WATCHDOG"
-# the default limit, the one place it is set: 10 minutes without an engine step (a step is one decode token, or one
-# prefill chunk: seconds at most); the floor of every other phase; 3x it for a server-mode generate
-DEFAULT_WATCHDOG_SECONDS = 600.0
-MIN_WATCHDOG_SECONDS = 10.0  # below this, a slow but healthy generate would end the run
-WATCHDOG_ACCEPTED_VALUES = (
-    f"on/true/yes/1 (the default limit, {DEFAULT_WATCHDOG_SECONDS:g} s), off/false/no/0 (no watchdog), "
-    f"or a number of seconds of at least {MIN_WATCHDOG_SECONDS:g} (any case)"
-)
-
-
-def watchdog_seconds() -> float:
-    """TRL_VLM_FIXES_WATCHDOG as seconds (a colocated rollout without engine progress; the floor of every other
-    watched phase's limit), 0 when off; anything else raises."""
-    raw = os.environ.get(WATCHDOG_SWITCH)
-    value = (raw or "").strip().lower()
-    if not value or value in _TRUE:
-        return DEFAULT_WATCHDOG_SECONDS
-    if value in _FALSE:
-        return 0.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if math.isfinite(seconds) and seconds >= MIN_WATCHDOG_SECONDS:
-        return seconds
-    raise SwitchValueError(
-        f"{WATCHDOG_SWITCH}={raw!r} is not a rollout watchdog setting. Accepted values: {WATCHDOG_ACCEPTED_VALUES}."
-    )
-
-
-# fixes whose own switch is not a boolean: how to read it as "enabled"
-_NON_BOOLEAN_SWITCHES = {"watchdog": lambda: watchdog_seconds() > 0}
-
-
 def master_switch() -> bool:
     return read_bool(MASTER_SWITCH, True)
 
 
 def own_switch(fix_name: str) -> bool:
-    """A fix's own on/off switch (``TRL_VLM_FIXES_<NAME>``)."""
-    reader = _NON_BOOLEAN_SWITCHES.get(fix_name)
-    return reader() if reader else read_bool(fix_switch(fix_name), True)
+    """A fix's own on/off switch (``TRL_VLM_FIXES_<NAME>``); one that is not on/off is the fix's ``switch_setting``."""
+    return read_bool(fix_switch(fix_name), True)
 
 
 def fix_enabled(fix_name: str) -> bool:
@@ -114,7 +74,7 @@ def strict_mode() -> bool:
 
 def validate_environment(fix_names: list[str]) -> None:
     """Fail at import time on any malformed switch, not later in the middle of a run."""
-    for variable in [MASTER_SWITCH, STRICT_SWITCH, *BOOLEAN_SUB_SWITCHES]:
+    for variable in (MASTER_SWITCH, STRICT_SWITCH):
         read_bool(variable, True)
     for name in fix_names:
         fix_enabled(name)

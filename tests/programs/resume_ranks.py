@@ -1,13 +1,21 @@
-"""A real GRPOTrainer (colocate + sleep mode, the engine stand-in, a checkpoint every step) whose engine wedges.
+"""A real GRPOTrainer (colocate + sleep mode, the engine stand-in, a checkpoint every step) whose engine may wedge,
+whose first weight push or rank 0's save may be slow. Runs alone or under torchrun (gloo).
 
-WEDGE_RANK's generate never returns at WEDGE_STEP (the trainer's global_step), the first WEDGE_TIMES times it gets
-there (counted with marker files in RECORDS_DIR, so it holds across restarts). Runs alone or under torchrun (gloo).
-Each rank appends JSON lines to RECORDS_DIR/rank{N}.jsonl: the engine build ("start": was the engine to be protected
-after a repeated hang, and the engine arguments), every rollout ("generate": the step, and whether the engine ran on
-the trainer's weights and on the base checkpoint) and the end ("end": the final step). BUILD_ONLY=1: build, record,
-exit.
-
-usage: resume_ranks.py MODEL_DIR OUTPUT_DIR RECORDS_DIR     (MAX_STEPS default 5, WEDGE_RANK 1, WEDGE_STEP 3)
+usage: resume_ranks.py MODEL_DIR OUTPUT_DIR RECORDS_DIR
+  MAX_STEPS (5)            steps to train
+  WEDGE_RANK (1), WEDGE_STEP (3), WEDGE_TIMES (1)
+                           that rank's engine generate never returns at that step (the trainer's global_step), the
+                           first WEDGE_TIMES times it gets there (marker files in RECORDS_DIR: it holds across restarts)
+  TP (1)                   vllm_tensor_parallel_size (2: TRL's colocate prompt gather across the two ranks)
+  SLOW_SAVE_SECONDS (0), SLOW_SAVE_STEPS ("1")
+                           rank 0's checkpoint save at those steps sleeps that long mid-save (after the weights)
+  SLOW_PUSH_SECONDS (0)    the first weight push of each process takes that long
+  SAVE_ONLY_MODEL (0)      save_only_model=True
+  CRASH_AT_GENERATE (0)    1: the process's first rollout is recorded, then raises (the run never ends a step)
+  BUILD_ONLY (0)           1: build the trainer, record the engine arguments, exit
+Each rank appends JSON lines to RECORDS_DIR/rank{N}.jsonl: "start" (the compilation config and GDN prefill backend the
+engine received), "generate" (the step, when the engine was called, whether it ran on the trainer's weights and on the
+base checkpoint), "saved" (rank 0 after a slow save), "end" (the final step).
 """
 
 from __future__ import annotations
@@ -52,19 +60,22 @@ def fresh_rendezvous_per_restart() -> None:
     dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size)
 
 
-def main() -> int:
+def setting(name: str, default: str = "0") -> int:
+    return int(os.environ.get(name, default))
+
+
+def main() -> None:
     model_dir, output_dir, records = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     records.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    wedge_rank = int(os.environ.get("WEDGE_RANK", "1"))
-    wedge_step = int(os.environ.get("WEDGE_STEP", "3"))
-    wedge_times = int(os.environ.get("WEDGE_TIMES", "1"))
+    wedge_rank, wedge_step = setting("WEDGE_RANK", "1"), setting("WEDGE_STEP", "3")
+    wedge_times = setting("WEDGE_TIMES", "1")
+    slow_push, crash = setting("SLOW_PUSH_SECONDS"), setting("CRASH_AT_GENERATE")
     cpu_ranks_can_resume()
     fresh_rendezvous_per_restart()
     from transformers import AutoProcessor
     from trl.generation import vllm_generation
 
-    from trl_vlm_fixes.patches.watchdog.resume import protected_after_repeated_hang
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM, engine_weights_match, trainer_weights
     from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, build_trainer, mixed_dataset
 
@@ -77,20 +88,33 @@ def main() -> int:
     class WedgingEngine(StandInLLM):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.protected = protected_after_repeated_hang()  # built inside the trainer's __init__
+            loader = self.llm_engine.model_executor.driver_worker.model_runner.model
+            load, pushes = loader.load_weights, []
+
+            def load_weights(weights: Any) -> Any:
+                if slow_push and not pushes:  # the first push of this process is slow (a large model, a cold device)
+                    time.sleep(slow_push)
+                pushes.append(1)
+                return load(weights)
+
+            loader.load_weights = load_weights
 
         def generate(self, *args: Any, **kwargs: Any) -> Any:
-            step = holder["trainer"].state.global_step
+            step, entered = holder["trainer"].state.global_step, time.time()
             wedged = sorted(records.glob("wedged*"))
             if rank == wedge_rank and step == wedge_step and len(wedged) < wedge_times:
                 (records / f"wedged{len(wedged)}").write_text(str(time.time()))
                 while True:  # a kernel that never finishes: the call never returns to TRL
                     time.sleep(3600)
+            if crash:
+                record("generate", step=step)
+                raise RuntimeError("CRASH_AT_GENERATE: this run dies before it ends a step")
             outputs = super().generate(*args, **kwargs)
             rollout = self.rollouts[-1]
             record(
                 "generate",
                 step=step,
+                entered=entered,
                 on_trainer=engine_weights_match(rollout, trainer_weights(holder["trainer"].model)),
                 on_base=engine_weights_match(rollout, self.checkpoint),
             )
@@ -99,19 +123,44 @@ def main() -> int:
     vllm_generation.LLM = WedgingEngine
     processor = AutoProcessor.from_pretrained(model_dir)
     trainer = build_trainer(
-        model_dir, processor, output_dir, "grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-        dataset=mixed_dataset(MIXED_SAMPLES), max_steps=int(os.environ.get("MAX_STEPS", "5")), learning_rate=0.05,
-        save_strategy="steps", save_steps=1,
+        model_dir,
+        processor,
+        output_dir,
+        "grpo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        dataset=mixed_dataset(MIXED_SAMPLES),
+        max_steps=setting("MAX_STEPS", "5"),
+        learning_rate=0.05,
+        save_strategy="steps",
+        save_steps=1,
+        save_only_model=bool(setting("SAVE_ONLY_MODEL")),
+        vllm_tensor_parallel_size=setting("TP", "1"),
     )
     holder["trainer"] = trainer
-    engine = trainer.vllm_generation.llm
-    record("start", protected=engine.protected, compilation_config=engine.init_kwargs.get("compilation_config"),
-           gdn_prefill_backend=engine.init_kwargs.get("gdn_prefill_backend"))
-    if os.environ.get("BUILD_ONLY") != "1":
+    slow_save, slow_steps = setting("SLOW_SAVE_SECONDS"), os.environ.get("SLOW_SAVE_STEPS", "1").split(",")
+    if slow_save and rank == 0:
+        save_optimizer = trainer._save_optimizer_and_scheduler
+
+        def slow_save_optimizer(checkpoint_dir: str) -> None:  # mid-save: the weights are written, the rest is not
+            if str(trainer.state.global_step) in slow_steps:
+                time.sleep(slow_save)
+            save_optimizer(checkpoint_dir)
+            record("saved", step=trainer.state.global_step, at=time.time())
+
+        trainer._save_optimizer_and_scheduler = slow_save_optimizer
+    kwargs = trainer.vllm_generation.llm.init_kwargs
+    record(
+        "start",
+        compilation_config=kwargs.get("compilation_config"),
+        gdn_prefill_backend=kwargs.get("gdn_prefill_backend"),
+    )
+    if not setting("BUILD_ONLY"):
         trainer.train()
         record("end", steps=trainer.state.global_step)
     end_program(trainer.accelerator)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

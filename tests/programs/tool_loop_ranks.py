@@ -49,8 +49,19 @@ def record_collectives() -> None:
 
         setattr(owner, name, watched)
 
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "gather", "barrier",
-                 "all_gather_object", "broadcast_object_list", "reduce_scatter", "all_to_all"):
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "reduce",
+        "gather",
+        "barrier",
+        "all_gather_object",
+        "broadcast_object_list",
+        "reduce_scatter",
+        "all_to_all",
+    ):
         watch(dist, name, name)
     watch(DistributedBackend, "gather_params", "gather_params (a collective under ZeRO-3)")
 
@@ -136,20 +147,22 @@ def main() -> int:
     holder["trainer"] = trainer
     trainer.train()
     engine = trainer.vllm_generation.llm
-    record = json.dumps({
-        "rank": rank,
-        "steps": trainer.state.global_step,
-        "generates": len(rollouts),
-        "on_current_weights": sum(rollouts),
-        "disk_reloads": engine.disk_reloads,
-        "full_pushes": engine.tensor_pushes / sum(1 for _ in trainer.model.parameters()),
-        "collectives": collectives,
-        "logs": [
-            {k: v for k, v in log.items() if k.startswith(("trl_vlm_fixes/", "sampling/"))}
-            for log in trainer.state.log_history
-        ],
-        "tool_turns": turns_seen,
-    })
+    record = json.dumps(
+        {
+            "rank": rank,
+            "steps": trainer.state.global_step,
+            "generates": len(rollouts),
+            "on_current_weights": sum(rollouts),
+            "disk_reloads": engine.disk_reloads,
+            "full_pushes": engine.tensor_pushes / sum(1 for _ in trainer.model.parameters()),
+            "collectives": collectives,
+            "logs": [
+                {k: v for k, v in log.items() if k.startswith(("trl_vlm_fixes/", "sampling/"))}
+                for log in trainer.state.log_history
+            ],
+            "tool_turns": turns_seen,
+        }
+    )
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:
         handle.write(record)
     end_program(trainer.accelerator)

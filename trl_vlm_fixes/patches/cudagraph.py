@@ -15,8 +15,11 @@ engine exists and ``enforce_eager`` is never touched.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
+import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -75,13 +78,38 @@ def read_back(engine: Any) -> tuple[str, list[str]] | None:
             f"cudagraph: enforce_eager=True: vLLM captures no CUDA graph at all (cudagraph_mode NONE: "
             f"{SPEED_NOTE['NONE']}), whatever {MODE.variable} says; drop enforce_eager to get {selected_mode()}."
         )
-    if built == "PIECEWISE" and _breakable_cudagraph():
+    breaks = gated_deltanet_op_breaks_graphs() if built == "PIECEWISE" and _breakable_cudagraph() else True
+    if not breaks:
+        captured = "IS captured" if breaks is False else "may be captured (vLLM's Qwen GDN op was not found)"
         warnings.append(
             "cudagraph: VLLM_USE_BREAKABLE_CUDAGRAPH=1: vLLM's breakable graphs break only at functions marked "
-            "@eager_break_during_capture (attention), not at the Gated-DeltaNet op, so GDN decode IS captured "
-            "although cudagraph_mode=PIECEWISE. Unset VLLM_USE_BREAKABLE_CUDAGRAPH to keep GDN kernels out of graphs."
+            f"@eager_break_during_capture (attention), and this vLLM's Gated-DeltaNet op is not one, so GDN decode "
+            f"{captured} although cudagraph_mode=PIECEWISE. Unset VLLM_USE_BREAKABLE_CUDAGRAPH to keep GDN kernels "
+            "out of graphs."
         )
     return f"cudagraph_mode={built}", warnings
+
+
+GDN_OP = ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "qwen_gdn_attention_core")
+
+
+@functools.cache
+def gated_deltanet_op_breaks_graphs() -> bool | None:
+    """Is vLLM's Qwen Gated-DeltaNet op a break point of its breakable CUDA graphs (decorated with
+    ``@eager_break_during_capture``: vLLM 0.31 yes, 0.25.1 no)? Read from the installed vLLM's source, since the
+    decorator only wraps when the variable was set at import; None where the op is not found."""
+    module, name = GDN_OP
+    try:
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin or "", encoding="utf-8") as handle:  # type: ignore[union-attr]
+            tree = ast.parse(handle.read())
+    except (ImportError, AttributeError, OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            decorators = {ast.unparse(decorator) for decorator in node.decorator_list}
+            return any(decorator.endswith("eager_break_during_capture") for decorator in decorators)
+    return None
 
 
 def _breakable_cudagraph() -> bool:

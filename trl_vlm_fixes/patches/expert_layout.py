@@ -100,10 +100,14 @@ def read_back(engine: Any) -> tuple[str, list[str]] | None:
             backends.add(str(backend))
     if backends:
         wrong = sorted(backends & set(REARRANGING_BACKENDS))
-        warnings = [
-            f"expert_layout: the engine's experts run on {', '.join(wrong)}, which rearranges them after loading: "
-            "TRL's weight pushes will leave them in the wrong layout"
-        ] if wrong else []
+        warnings = (
+            [
+                f"expert_layout: the engine's experts run on {', '.join(wrong)}, which rearranges them after loading: "
+                "TRL's weight pushes will leave them in the wrong layout"
+            ]
+            if wrong
+            else []
+        )
         return f"MoE backend={','.join(sorted(backends))}", warnings
     config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
     kernel = getattr(config, "kernel_config", None)

@@ -26,8 +26,9 @@ from ..vllm_arguments import engine_argument_problem
 VALID_BACKENDS = ("triton", "flashinfer")
 DEFAULT_BACKEND = "triton"
 PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (the watchdog's protected restart)
-BACKEND = choice("backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND,
-                 "a GDN prefill backend we select")
+BACKEND = choice(
+    "backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND, "a GDN prefill backend we select"
+)
 BACKEND_VARIABLE = BACKEND.variable
 GdnPrefillBackendError = SwitchValueError  # what a bad TRL_VLM_FIXES_GDN_PREFILL_BACKEND raises (kept for importers)
 

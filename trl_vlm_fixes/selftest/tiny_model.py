@@ -162,8 +162,12 @@ def build_config(
         )
         vision_config["num_position_embeddings"] = 64
     elif family in ("qwen3_vl", "qwen3_vl_moe"):
-        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}
+        text_config["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        }
         vision_config.update(num_position_embeddings=64, deepstack_visual_indexes=[])
     else:  # qwen2_5_vl: head_dim is hidden / heads, no interleaving
         text_config.pop("head_dim")

@@ -353,6 +353,7 @@ def _calls_scoring(node: ast.AST) -> bool:
 
 _CHECKS: dict[str, Any] = {"shape_problem": _old_logps_first, "upstream_fixed": _no_ratio}
 
+
 def scope(trainer: Any) -> str | None:
     """Where this trainer computes no ratio against vLLM's log-probs (RLOO: none at all; see ``_no_ratio``)."""
     if reason := _trainer_steps_aside(trainer):

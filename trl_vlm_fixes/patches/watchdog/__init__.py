@@ -1,96 +1,117 @@
-"""watchdog: every phase of a GRPO/RLOO step runs under the watchdog; a colocated rollout is judged by its progress.
+"""watchdog: a colocated engine that stops stepping, or an engine or server call that never returns, ends the process
+(exit 75) with every thread's stack, so restart logic takes over; the restart resumes (``resume.py``).
 
-``TRL_VLM_FIXES_WATCHDOG`` (``switches.watchdog_seconds``): on (the default limit), off (then nothing is wrapped and no
-thread exists) or a number of seconds >= 10, read once per ``apply()`` (``selected_limit``) so that a run never changes
-its limit halfway. A colocated generate is hung when its engine returned no step for that long (``progress.py``),
-however long the rollout; every other phase (weight push, sleep and wake, scoring, backward, optimizer step, a
-server-mode generate) gets a limit learned from its own completed calls (``phases.py``). A watch that passes its limit
-ends the process with exit code 75 after writing every thread's stack, the step and the engine settings
-(``timer.py``, ``report.py``, ``backstop.py``).
+Only what nothing else watches: the colocated engine by its progress (a single-GPU kernel hang has no collective to
+time out, ``engine.py``); calls that show no progress and wait on no other rank (an unsharded weight push, the engine's
+sleep and wake-up, a server's generate) by a total time no healthy call reaches (``limits.py``). Every wait on another
+rank (TRL's gathers, backward, a ZeRO-3/FSDP push, rank 0's checkpoint save) is torch's process-group timeout's.
+``TRL_VLM_FIXES_WATCHDOG`` (setting ``seconds``, read at ``apply()``) is the progress limit and every floor; off:
+nothing wrapped, no thread. ``TRL_VLM_FIXES_WATCHDOG_RESUME`` (setting ``resume``): off, a restart starts as upstream.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
-from ...registry import Fix, Target, on_trainers
-from ...switches import watchdog_seconds
-from . import owners, phases, progress
-from .resume import RESUME_TARGETS
-from .timer import WATCHDOG, HangContext
+from ...declaration import Fix, Target
+from ...registry import value
+from ...switches import Setting, SwitchValueError
+from . import engine, limits, owners
+from .resume import RESUME, RESUME_TARGETS
 
-_MODULE = "trl.generation.vllm_generation"
-LIKELY_CAUSE = (
-    "on Hopper with vLLM 0.25.1 and a Gated-DeltaNet model (Qwen3.5), FlashInfer 0.6.13's GDN prefill kernel "
-    "(flashinfer-ai/flashinfer#3986, #2623: TRL_VLM_FIXES_GDN_PREFILL_BACKEND=triton, the default); CUDA-graph decode "
-    "(TRL_VLM_FIXES_CUDAGRAPH_MODE=NONE); in server mode, an unreachable or wedged `trl vllm-serve`"
+SWITCH = "TRL_VLM_FIXES_WATCHDOG"
+# 10 minutes without an engine step (one decode token, or one prefill chunk: seconds at most); every other floor
+DEFAULT_SECONDS = 600.0
+MIN_SECONDS = 10.0  # below this, a slow but healthy generate would end the run
+ACCEPTED = (
+    f"on/true/yes/1 (the default limit, {DEFAULT_SECONDS:g} s), off/false/no/0 (no watchdog), "
+    f"or a number of seconds of at least {MIN_SECONDS:g} (any case)"
 )
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
-_limit: float | None = None  # set by selected_limit() at apply()
+
+def parse_seconds(raw: str) -> float:
+    """``TRL_VLM_FIXES_WATCHDOG``: on (the default limit), off (0) or a number of seconds of at least 10."""
+    text = raw.strip().lower()
+    if not text or text in _ON:
+        return DEFAULT_SECONDS
+    if text in _OFF:
+        return 0.0
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds >= MIN_SECONDS:
+        return seconds
+    raise SwitchValueError(f"{SWITCH}={raw!r} is not a rollout watchdog setting. Accepted values: {ACCEPTED}.")
+
+
+SECONDS = Setting("seconds", SWITCH, parse_seconds, DEFAULT_SECONDS, ACCEPTED, "s")
+
+
+def _floor() -> float:
+    """The ``seconds`` setting as the last ``apply()`` read it: a run never changes its limit."""
+    return float(value("watchdog", SECONDS.key))
 
 
 def register_owner(generation: Any, trainer: Any) -> None:
-    """At trainer start: its VLLMGeneration, engine and accelerator report the trainer's step, rank and output_dir."""
-    owners.remember(trainer, generation, getattr(generation, "llm", None), getattr(trainer, "accelerator", None))
-
-
-def _context(generation: Any, what: str) -> Callable[[], HangContext]:
-    return owners.describe(what, generation, LIKELY_CAUSE)
-
-
-def selected_limit() -> float:
-    """Read TRL_VLM_FIXES_WATCHDOG now (apply() calls it: a bad value fails the import); generates use this value."""
-    global _limit
-    _limit = watchdog_seconds()
-    return _limit
-
-
-def _current_limit() -> float:
-    return selected_limit() if _limit is None else _limit
+    """At trainer start (after the engine build): its objects report the trainer's step, rank and ``output_dir``, and
+    the limits learned by an earlier run there are read back."""
+    owners.remember(trainer, generation, getattr(generation, "llm", None), getattr(generation, "vllm_client", None))
+    limits.restore(getattr(getattr(trainer, "args", None), "output_dir", None))
 
 
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Colocate: hung when no engine step returned for the limit. Server mode: a learned total limit (``phases``)."""
-    limit = _current_limit()
-    if not limit:  # switched off by a later apply() while the wrapper stayed: step aside
+    """``VLLMGeneration.generate``: the engine (colocate) or server call inside it is watched, not the gathers."""
+    floor = _floor()
+    if not floor:  # apply(watchdog={"seconds": 0}) unwraps; a wrapper someone kept steps aside
         return wrapped(*args, **kwargs)
-    mode = getattr(instance, "mode", "?")
-    engine = getattr(getattr(instance, "llm", None), "llm_engine", None) if mode == "colocate" else None
-    if not progress.steppable(engine):
-        phase = phases.SERVER_GENERATE if mode == "server" else phases.UNSTEPPED_GENERATE
-        return phases.run_watched(phase, limit, instance, lambda: wrapped(*args, **kwargs))
-    what = f"VLLMGeneration.generate ({mode} mode): the wait for the next vLLM engine step"
-    token = WATCHDOG.arm(phases.with_save_grace(limit, limit), _context(instance, what))
-    try:
-        with progress.steps_report(engine, functools.partial(WATCHDOG.progress, token)):
+    if getattr(instance, "mode", None) == "colocate":
+        watch = engine.watch_engine(getattr(instance, "llm", None), floor, instance)
+    else:
+        watch = engine.watch_server(getattr(instance, "vllm_client", None), floor, instance)
+    with watch:
+        return wrapped(*args, **kwargs)
+
+
+def _sharded(generation: Any) -> bool:
+    """Under ZeRO-3 or FSDP the push gathers parameters: a wait on the other ranks, torch's to time."""
+    state = getattr(getattr(generation, "accelerator", None), "state", None)
+    zero3 = getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", 0) == 3
+    return zero3 or getattr(state, "fsdp_plugin", None) is not None
+
+
+def _total(phase: limits.Phase, acts_on: Callable[[Any], bool]) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        floor = _floor()
+        if not floor or not acts_on(instance):
             return wrapped(*args, **kwargs)
-    finally:
-        WATCHDOG.disarm(token)
+        return limits.run_watched(phase, floor, instance, lambda: wrapped(*args, **kwargs))
+
+    return wrapper
 
 
-def _phase(phase: phases.Phase, acts_on: Callable[[Any], bool] | None = None) -> phases.Wrapper:
-    return phases.phase_wrapper(phase, _current_limit, acts_on)
+def _owned(engine_instance: Any) -> bool:
+    """An engine whose trainer is built: the sleep inside the build (TRL's ``_init_vllm``) belongs to the build."""
+    return owners.trainer_of(engine_instance) is not None
 
 
-_ENGINE = "vllm.entrypoints.llm"  # sleep and wake wherever they are called (TRL, reload_skip, a user)
-PHASE_TARGETS = (
-    Target(_MODULE, "VLLMGeneration.sync_weights", _phase(phases.SYNC_WEIGHTS)),
-    Target(_ENGINE, "LLM.sleep", _phase(phases.SLEEP), optional=True),
-    Target(_ENGINE, "LLM.wake_up", _phase(phases.WAKE_UP), optional=True),
-    *on_trainers({"_get_per_token_logps_and_entropies": _phase(phases.SCORING, phases.scoring_trainer)}),
-    Target("accelerate.accelerator", "Accelerator.backward", _phase(phases.BACKWARD, phases.a_trainers_part)),
-    Target("accelerate.accelerator", "Accelerator.clip_grad_norm_", _phase(phases.CLIPPING, phases.a_trainers_part)),
-    Target("transformers.trainer", "Trainer._inner_training_loop", phases.training_loop_wrapper(_current_limit)),
-    Target("transformers.trainer", "Trainer._save_checkpoint", phases.save_wrapper),
-)
-
-
+_MODULE = "trl.generation.vllm_generation"
+_ENGINE = "vllm.entrypoints.llm"
 FIX = Fix(
     name="watchdog",
-    summary="a hung phase of a step (a rollout without progress, a weight push, a backward...) ends the process (exit "
-    "75) with its stacks, so restart logic takes over",
+    summary="a colocated engine without progress, or an engine or server call that never returns, ends the process "
+    "(exit 75) with its stacks, so restart logic takes over; the restart resumes",
     packages=("trl",),
-    targets=(Target(_MODULE, "VLLMGeneration.generate", generate_wrapper), *PHASE_TARGETS, *RESUME_TARGETS),
+    targets=(
+        Target(_MODULE, "VLLMGeneration.generate", generate_wrapper),
+        Target(_MODULE, "VLLMGeneration.sync_weights", _total(limits.SYNC_WEIGHTS, lambda g: not _sharded(g))),
+        Target(_ENGINE, "LLM.sleep", _total(limits.SLEEP, _owned), optional=True),
+        Target(_ENGINE, "LLM.wake_up", _total(limits.WAKE_UP, _owned), optional=True),
+        *RESUME_TARGETS,
+    ),
+    settings=(RESUME,),
+    switch_setting=SECONDS,
 )

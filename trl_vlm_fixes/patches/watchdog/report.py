@@ -1,10 +1,10 @@
 """What the watchdog does when a deadline passes and Python can run: report wherever it can, then exit 75.
 
-Every output (stderr, the report file in ``output_dir``, logging) runs in a thread of its own within a time budget,
-and any exception it raises is swallowed: ``sys.stderr = None``, a tee without ``fileno``, a hung network filesystem
-or a full stderr pipe cost at most ``WRITE_BUDGET_SECONDS + LOG_BUDGET_SECONDS`` of delay, never the exit. The report
-goes to a private copy of fd 2 taken at the first arm, never through ``sys.stderr``. Where even this cannot run (a C
-call holding the GIL), the C-level backstop armed with the deadline (``backstop.py``) ends the process.
+Each output (stderr, the report file in ``output_dir``, logging) runs in a thread of its own within a time budget, its
+exceptions swallowed: ``sys.stderr = None``, a tee without ``fileno``, a hung filesystem or a full stderr pipe cost a
+few seconds, never the exit. stderr is a private copy of fd 2 taken at the first arm. Where even this cannot run (a C
+call holding the GIL), the kernel backstop (``backstop.py``) ends the process. The ``watch:`` line names the rule that
+fired; a restart reads it (``resume.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ LOGGER = logging.getLogger("trl_vlm_fixes")
 EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what restart logic should see
 WRITE_BUDGET_SECONDS = 3.0  # stderr and the report file, written side by side
 LOG_BUDGET_SECONDS = 1.0
+ENGINE_STEP = "engine-step"  # the colocated engine's progress rule, as the report's ``watch:`` line names it
 _saved_stderr: int | None = None
 # more lines for the report, each from another module (resume.py: this hang repeats the one the run restarted after)
 NOTES: list[Callable[[HangContext], str | None]] = []
@@ -36,9 +37,10 @@ class HangContext:
     what: str
     rank: int
     step: Any
-    output_dir: str
+    output_dir: str | None  # None: no trainer known, the report goes to stderr only
     engine_settings: str
     likely_cause: str
+    watch: str = "other"  # which rule fired: ENGINE_STEP, or a total-time phase's key
 
 
 def saved_stderr() -> int:
@@ -56,10 +58,12 @@ def fire(seconds: float, describe: Callable[[], HangContext]) -> NoReturn:
     """Report (each output bounded in time), then end the process with exit code 75."""
     context = _describe(describe)
     report = hang_report(seconds, context)
-    path = Path(context.output_dir or ".") / f"trl_vlm_fixes_hang_rank{context.rank}.txt"
     written: list[Path] = []
 
     def write_file() -> None:
+        if context.output_dir is None:
+            return
+        path = Path(context.output_dir) / f"trl_vlm_fixes_hang_rank{context.rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as handle:
             handle.write(report + "\n")
@@ -75,29 +79,22 @@ def _describe(describe: Callable[[], HangContext]) -> HangContext:
         return describe()
     except Exception as error:  # noqa: BLE001 - a trainer that is gone must not keep a hung process alive
         rank = os.environ.get("RANK", "0")
-        return HangContext(
-            what="a call under the rollout watchdog",
-            rank=int(rank) if rank.isdigit() else 0,
-            step="?",
-            output_dir=".",
-            engine_settings="?",
-            likely_cause=f"(could not describe the call: {error!r})",
-        )
+        rank_number = int(rank) if rank.isdigit() else 0
+        return HangContext("a watched call", rank_number, "?", None, "?", f"(could not describe it: {error!r})")
 
 
 def _within(budget: float, steps: list[Callable[[], None]]) -> None:
-    """Run each step in a daemon thread of its own and wait at most ``budget`` seconds for all of them."""
-    threads = []
-    for step in steps:
-        thread = threading.Thread(target=_quietly, args=(step,), name="trl_vlm_fixes-watchdog-report", daemon=True)
-        try:
+    """Each step in a daemon thread of its own, all of them waited for at most ``budget`` seconds."""
+    threads = [
+        threading.Thread(target=_quietly, args=(step,), name="trl_vlm_fixes-report", daemon=True) for step in steps
+    ]
+    for thread in threads:
+        with contextlib.suppress(RuntimeError):  # no thread to be had: the kernel backstop still ends the process
             thread.start()
-        except RuntimeError:  # no thread to be had: the C-level backstop still ends the process
-            continue
-        threads.append(thread)
     end = time.monotonic() + budget
     for thread in threads:
-        thread.join(max(end - time.monotonic(), 0.0))
+        if thread.ident is not None:
+            thread.join(max(end - time.monotonic(), 0.0))
 
 
 def _quietly(step: Callable[[], None]) -> None:
@@ -119,7 +116,7 @@ def _log(seconds: float, context: HangContext, path: Path | None) -> None:
         seconds,
         context.rank,
         context.step,
-        path or "stderr (the report file could not be written)",
+        path or "stderr (no report file)",
         EXIT_CODE,
         context.likely_cause,
     )
@@ -149,7 +146,7 @@ def _notes(context: HangContext) -> list[str]:
     lines = []
     for note in NOTES:
         with contextlib.suppress(Exception):  # a note must never keep a hung process alive
-            lines.append(note(context) or "")
+            lines.append(note(context))
     return [line for line in lines if line]
 
 
@@ -158,6 +155,7 @@ def hang_report(seconds: float, context: HangContext) -> str:
         [
             f"trl_vlm_fixes rollout watchdog: {context.what} ran longer than {seconds:g} s "
             f"(TRL_VLM_FIXES_WATCHDOG) on rank {context.rank} at step {context.step}.",
+            f"watch: {context.watch}",
             f"engine: {context.engine_settings}",
             f"likely cause: {context.likely_cause}",
             *_notes(context),

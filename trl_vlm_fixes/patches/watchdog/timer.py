@@ -1,23 +1,14 @@
-"""The rollout watchdog's timer: one shared thread per process, plus a C-level backstop set at every arm.
+"""The watchdog's timer: one thread per process, and the kernel backstop moved with every deadline.
 
-A wedged vLLM generate (GPU at 100%, CPU idle, SIGTERM ignored: the main thread never returns to Python, so Python
-signal handlers never run) burns GPU hours until someone notices. When an armed deadline passes, the timer thread
-reports (``report.py``) and ends the process with exit code 75 (EX_TEMPFAIL), so torchrun, accelerate or SLURM
-restart logic takes over. That thread needs the GIL; so ``arm()`` also sets, before it returns, kernel timers that
-end the process with 75 ten seconds later without Python (``backstop.py``). Nothing runs until the first arm.
-
-Watches nest per thread: the innermost armed call is the one watched (a ``sync_weights`` inside a generate has its own
-limit, which may be longer than the generate's); the outer one's clock is stopped meanwhile and restarts, in full,
-when the inner one returns. ``progress(token)`` restarts a watch's clock (a colocated engine step that returned); it
-moves the kernel timers at most every ``BACKSTOP_REFRESH_SECONDS`` (each ``timer_settime`` through ctypes costs a few
-us, a decode step comes every few ms), so they may lag the Python deadline by that much: the backstop's stacks and
-exit come at least 4.75 s and 9.75 s after the deadline instead of 5 s and 10 s.
+A wedged CUDA kernel keeps the main thread in C: signal handlers never run, SIGTERM does nothing. When a deadline
+passes, the thread reports and exits 75 (``report.py``); it needs the GIL, so ``arm()`` also sets kernel timers that
+end the process without Python (``backstop.py``) before it returns. Watches are independent (a push and the wake-up
+inside it each keep their own deadline). ``progress()`` gives a watch its allowance again and moves the kernel timers
+at most every ``BACKSTOP_REFRESH_SECONDS`` (a decode step comes every few ms). Nothing runs until the first arm.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 import threading
 import time
@@ -32,16 +23,14 @@ if TYPE_CHECKING:
     from .backstop import Backstop
 
 __all__ = ["EXIT_CODE", "WATCHDOG", "HangContext", "Watchdog"]
-LOGGER = logging.getLogger("trl_vlm_fixes")
 BACKSTOP_REFRESH_SECONDS = 0.25
 
 
 @dataclass
 class _Watch:
-    deadline: float  # math.inf while an inner watch of the same thread is armed
-    seconds: float
+    deadline: float
+    seconds: float  # the allowance, given again by each progress()
     context: Callable[[], HangContext]
-    thread: int
 
 
 class Watchdog:
@@ -54,23 +43,18 @@ class Watchdog:
         """Fresh state (also in a forked child: it inherits neither the thread, the timers nor a free lock)."""
         self._condition = threading.Condition()
         self._armed: dict[int, _Watch] = {}
-        self._stacks: dict[int, list[int]] = {}  # thread -> its armed tokens, innermost last
         self._thread: threading.Thread | None = None
         self._backstop: Backstop | None = None
         self._firing = False
-        self._backstop_due = 0.0  # progress() moves the kernel timers again from then on
+        self._backstop_due = 0.0
 
     def arm(self, seconds: float, context: Callable[[], HangContext]) -> int:
-        """Returns once the deadline is set both in Python and in the kernel (the backstop)."""
-        thread = threading.get_ident()
+        """Hung ``seconds`` from now (or from the last ``progress``); returns once that is set in Python and in the
+        kernel."""
         with self._condition:
             token = self._next_token
             self._next_token += 1
-            stack = self._stacks.setdefault(thread, [])
-            if stack:  # the inner call is watched now; the outer one waits for it
-                self._armed[stack[-1]].deadline = math.inf
-            stack.append(token)
-            self._armed[token] = _Watch(time.monotonic() + seconds, seconds, context, thread)
+            self._armed[token] = _Watch(time.monotonic() + seconds, seconds, context)
             if self._thread is None:
                 self._start()
             self._sync_backstop()
@@ -78,11 +62,11 @@ class Watchdog:
         return token
 
     def progress(self, token: int) -> None:
-        """The watched call made progress: its full limit starts again. The thread is not woken (the deadline only
-        moves later: it finds out when it wakes); the kernel timers follow at most every BACKSTOP_REFRESH_SECONDS."""
+        """The watched call moved on: its allowance starts again. The thread is not woken (a deadline that only moves
+        later is found when it wakes)."""
         with self._condition:
             watch = self._armed.get(token)
-            if watch is None or watch.deadline == math.inf:
+            if watch is None:
                 return
             now = time.monotonic()
             watch.deadline = now + watch.seconds
@@ -91,20 +75,8 @@ class Watchdog:
 
     def disarm(self, token: int) -> None:
         with self._condition:
-            watch = self._armed.pop(token, None)
-            if watch is None:
-                return
-            stack = self._stacks.get(watch.thread, [])
-            innermost = bool(stack) and stack[-1] == token
-            if token in stack:
-                stack.remove(token)
-            if not stack:
-                self._stacks.pop(watch.thread, None)
-            elif innermost:  # the outer call's clock restarts in full
-                outer = self._armed[stack[-1]]
-                outer.deadline = time.monotonic() + outer.seconds
-                self._condition.notify()
-            self._sync_backstop()
+            if self._armed.pop(token, None) is not None:
+                self._sync_backstop()
 
     def _start(self) -> None:
         from .backstop import make_backstop  # ctypes only once something is armed
@@ -115,9 +87,9 @@ class Watchdog:
         self._backstop = make_backstop(thread.native_id or 0)
 
     def _sync_backstop(self) -> None:
-        """The kernel timers follow the earliest armed deadline; cleared when nothing is armed."""
+        """The kernel timers follow the earliest deadline; cleared when nothing is armed, never once firing."""
         if self._backstop is None or self._firing:
-            return  # once firing, nothing may take the backstop away
+            return
         now = time.monotonic()
         self._backstop_due = now + BACKSTOP_REFRESH_SECONDS
         if self._armed:
@@ -128,13 +100,10 @@ class Watchdog:
     def _run(self) -> None:
         with self._condition:
             while True:
-                if not self._armed:
-                    self._condition.wait()
-                    continue
-                watch = min(self._armed.values(), key=lambda entry: entry.deadline)
-                remaining = watch.deadline - time.monotonic()
-                if remaining > 0:
-                    self._condition.wait(remaining if remaining != math.inf else None)
+                watch = min(self._armed.values(), key=lambda entry: entry.deadline, default=None)
+                remaining = watch.deadline - time.monotonic() if watch else None
+                if watch is None or (remaining is not None and remaining > 0):
+                    self._condition.wait(remaining)
                     continue
                 self._firing = True
                 break
