@@ -66,7 +66,7 @@ run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; 
   stage "self-test ($1)"
   (cd "$stage" && "$1/bin/trl-vlm-fixes" selftest)
   stage "pytest ($1, -m '$2')"
-  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider -m "$2" "${@:3}")
+  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider --durations=15 -m "$2" "${@:3}")
 }
 stage "install (validated stack)"
 run_suite "$root/.venv" "" "$@"

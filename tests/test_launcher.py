@@ -46,6 +46,7 @@ def test_run_patches_trl_in_the_child_process(tmp_path: Path) -> None:
     assert last_json_line(plain.stdout) == {"loaded": False, "activation": None, "wrapped": False}
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()
@@ -67,6 +68,7 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_strict_stops_a_python_that_lacks_the_plugin_with_one_line(bare_python: Path, tmp_path: Path) -> None:
     strict = {"TRL_VLM_FIXES_STRICT": "1"}
     launched = run([*launcher(), "run", "--", str(bare_python), "-c", "print('ran')"], env=strict, cwd=tmp_path)
@@ -79,6 +81,7 @@ def test_strict_stops_a_python_that_lacks_the_plugin_with_one_line(bare_python: 
     assert fine.returncode == 0 and fine.stdout == "ran\n" and without_version_drift(fine.stderr) == []
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_without_strict_one_line_and_the_user_sitecustomize_still_runs(bare_python: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()
@@ -92,6 +95,7 @@ def test_without_strict_one_line_and_the_user_sitecustomize_still_runs(bare_pyth
     assert line.endswith("Running WITHOUT the fixes (TRL_VLM_FIXES_STRICT=1 stops here).")
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_pythonpath_keeps_every_entry_and_the_bootstrap_once(tmp_path: Path) -> None:
     """An empty entry is the current directory (a reward module beside the config); a symlink to the bootstrap
     folder is the bootstrap folder."""
@@ -122,6 +126,7 @@ def test_pythonpath_keeps_every_entry_and_the_bootstrap_once(tmp_path: Path) -> 
         assert launch_environment(unset)["PYTHONPATH"] == str(BOOTSTRAP)
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_the_bootstrap_under_two_names_is_skipped_before_the_user_sitecustomize(tmp_path: Path) -> None:
     """A process that puts the bootstrap folder on its path again under another name (a symlink) still runs the
     user's `sitecustomize` once, not the bootstrap again."""
@@ -137,6 +142,7 @@ def test_the_bootstrap_under_two_names_is_skipped_before_the_user_sitecustomize(
     assert started.stdout == "user sitecustomize\nran\n"
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_nested_launchers_of_two_installations_run_the_user_sitecustomize_once(tmp_path: Path) -> None:
     """`trl-vlm-fixes run -- script` where the script runs another installation's launcher: both bootstrap folders
     are on PYTHONPATH; each passes over every plugin bootstrap, so none runs the other (before: RecursionError, then
@@ -162,6 +168,7 @@ def test_nested_launchers_of_two_installations_run_the_user_sitecustomize_once(t
     assert started.stdout.splitlines()[-1] == "ran launcher"
 
 
+@pytest.mark.stack_independent  # the bootstrap: Python's site machinery, no TRL/vLLM code
 def test_run_without_a_command_or_with_an_unknown_one_says_so(tmp_path: Path) -> None:
     empty = run([*launcher(), "run"], cwd=tmp_path)
     assert empty.returncode == 2 and "no command given" in empty.stderr
