@@ -15,20 +15,14 @@ with the number of scored tokens; the pass also with the model's size, so a larg
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
+import os
+import sys
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import best_of
+
 VOCABULARY = 248_320  # Qwen3.5's
-
-
-def best_of(function: Callable[[], Any], repeat: int = 3) -> float:
-    timings = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        function()
-        timings.append(time.perf_counter() - started)
-    return min(timings)
 
 
 def main() -> None:
@@ -46,6 +40,7 @@ def main() -> None:
 
     from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution
     from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions, score
+    from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
 
     torch.manual_seed(0)
     heads = max(2, args.hidden // 128)
@@ -53,16 +48,8 @@ def main() -> None:
         vocab_size=VOCABULARY,
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)],
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=heads,
-        linear_num_value_heads=heads,
         tie_word_embeddings=False,
+        **qwen35_layer_stack(args.layers, heads, head_dim=128, value_heads=heads),
     )
     model = Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():

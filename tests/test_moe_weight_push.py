@@ -24,7 +24,6 @@ then silently wrong until that step is re-run on the pushed experts. About 1-3 s
 from __future__ import annotations
 
 import copy
-import importlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -98,32 +97,13 @@ class _Tampered:
 
 def _generation(trainer_model: Any, engine: _Engine, processor: Any) -> Any:
     """TRL's real VLLMGeneration in colocate mode, its ``LLM`` the engine above (swapped in for the build only)."""
-    from accelerate import Accelerator
-
-    module: Any = importlib.import_module("trl.generation.vllm_generation")
-    saved = {name: getattr(module, name, None) for name in ("LLM", "is_vllm_available")}
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
 
     def build(**kwargs: Any) -> _Engine:
         engine.built_with = kwargs
         return engine
 
-    module.LLM = build
-    module.is_vllm_available = lambda *a, **k: True
-    try:
-        return module.VLLMGeneration(
-            model=trainer_model,
-            accelerator=Accelerator(cpu=True),
-            processing_class=processor,
-            mode="colocate",
-            enable_sleep_mode=False,
-            max_completion_length=4,
-        )
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
+    return build_generation(None, processor, enable_sleep_mode=False, engine_class=build, model=trainer_model)
 
 
 def _lora(model: Any, family: str) -> Any:

@@ -301,7 +301,8 @@ def test_a_rollout_without_trls_generate_is_named(
     """A rollout_func with an engine of its own: its sampling settings are unknown, so TRL's ratio stays, one line."""
     from datasets import Dataset
     from transformers import AutoProcessor
-    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_vlm_fixes.selftest.fixtures import build_trainer
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         return {
@@ -310,26 +311,17 @@ def test_a_rollout_without_trls_generate_is_named(
             "logprobs": [[-5.0] * (1 + i % 3) for i in range(len(prompts))],
         }
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
+    text = Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]})
+    trainer = build_trainer(
+        peaked_model_dir,
+        AutoProcessor.from_pretrained(peaked_model_dir),
+        str(tmp_path),
         max_completion_length=4,
         max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
         use_vllm=True,
         vllm_mode="colocate",
-    )
-    text = Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]})
-    trainer = GRPOTrainer(
-        model=str(peaked_model_dir),
+        dataset=text,
         reward_funcs=lambda completions, **_: [float(len(str(c))) for c in completions],
-        args=args,
-        train_dataset=text,
-        processing_class=AutoProcessor.from_pretrained(peaked_model_dir),
         rollout_func=rollout_func,
     )
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):

@@ -144,6 +144,16 @@ def serves_gated_deltanet(build: EngineBuild) -> bool:
     return "linear_attention" in layer_types
 
 
+def gated_deltanet_scope(trainer: Any) -> str | None:
+    """Why an engine fix for Gated-DeltaNet models steps aside for this trainer: no vLLM engine, or a served model
+    without GDN layers (the scope of ``cudagraph`` and ``gdn_prefill``)."""
+    if not getattr(trainer, "use_vllm", False):
+        return "use_vllm is off: no vLLM engine"
+    if not serves_gated_deltanet(EngineBuild("", served_model_config(trainer, {}))):
+        return f"the served model {NO_GATED_DELTANET}"
+    return None
+
+
 def _construct(
     builder: _Builder, trainer: Any, target_key: str, engine: Callable[..., Any], /, *args: Any, **kwargs: Any
 ) -> Any:

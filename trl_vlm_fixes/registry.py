@@ -210,7 +210,8 @@ class Registry:
         states = {key: value for key, value in record.targets.items() if value[0] != "absent"}
         by_state: dict[str, list[str]] = {}
         for state, detail in states.values():
-            by_state.setdefault(state, []).append(detail)
+            if detail not in by_state.setdefault(state, []):  # several targets in one module wait for one import
+                by_state[state].append(detail)
         if "skipped" in by_state:
             return "skipped", "; ".join(by_state["skipped"])
         if "applied" in by_state:  # where a target steps aside (trl vllm-serve on TRL >= 1.11), the detail says so

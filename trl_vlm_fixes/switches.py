@@ -43,15 +43,7 @@ def read_bool(variable: str, default: bool) -> bool:
     raw = os.environ.get(variable)
     if raw is None or raw.strip() == "":
         return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise SwitchValueError(
-        f"{variable}={raw!r} is not a valid switch value. Accepted values: {ACCEPTED_VALUES}. "
-        f"Fix it with e.g. `export {variable}=0` or unset it."
-    )
+    return _parse_bool(variable, raw)
 
 
 def master_switch() -> bool:

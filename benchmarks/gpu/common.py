@@ -91,24 +91,14 @@ def build_random_qwen35(
     ``"qwen3_vl_moe"``: Qwen3-VL MoE (full attention only, head dim 128). transformers 5 keeps the experts fused
     (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); pick ``moe_intermediate`` with 2I != H
     so that a transposed layout cannot pass for the right one."""
-    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm, qwen35_layer_stack
 
     heads = max(2, hidden // 128)
     text: dict[str, Any] = {"hidden_size": hidden, "intermediate_size": hidden * 3, "num_hidden_layers": layers}
     if family == "qwen3_vl_moe":
         text.update(num_attention_heads=heads, num_key_value_heads=2, head_dim=128, rope_parameters=QWEN3VL_ROPE)
     else:
-        text.update(
-            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=heads,
-            linear_num_value_heads=heads * 2,
-            rope_parameters=QWEN35_ROPE,
-        )
+        text.update(qwen35_layer_stack(layers, heads, head_dim=256, value_heads=heads * 2), rope_parameters=QWEN35_ROPE)
     if family.endswith("_moe"):
         width = moe_intermediate or hidden * 3 // 4
         text.update(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=width)
@@ -239,6 +229,23 @@ def run_in_fresh_process(
 
 def error_lines(run: subprocess.CompletedProcess) -> list[str]:
     return [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
+
+
+def variant_in_fresh_process(
+    script: str, variant: str, arguments: list[str], switches: dict[str, str], timeout: float | None
+) -> tuple[dict[str, Any] | None, subprocess.CompletedProcess | None, str | None]:
+    """One variant of ``script`` in a fresh process (its own engine), with only its own plugin switches set:
+    (its result, the process, why it has no result)."""
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("TRL_VLM_FIXES")}
+    environment.update(switches)
+    result, run = run_in_fresh_process([script, "--one", variant, *arguments], timeout=timeout, env=environment)
+    if run is None:
+        print(f"{variant}: timed out after {timeout} s", flush=True)
+        return None, None, f"no result within {timeout} s (hang?)"
+    if result is None:
+        print(f"{variant}: failed (exit {run.returncode})\n" + "\n".join(run.stderr.splitlines()[-25:]), flush=True)
+        return None, run, "\n".join(error_lines(run)[-5:]) or f"exit {run.returncode}"
+    return result, run, None
 
 
 # --- TRL's GRPO trainer on the mixed image batch, with the colocated engine (real, or the CPU stand-in) -------------

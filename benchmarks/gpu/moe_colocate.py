@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -45,11 +44,10 @@ from common import (
     build_tiny_vlm,
     compare_engine_weights,
     engine_cudagraph_mode,
-    error_lines,
     fix_states,
     print_result,
-    run_in_fresh_process,
     use_engine,
+    variant_in_fresh_process,
 )
 
 VARIANT_SWITCHES = {
@@ -290,20 +288,14 @@ def main() -> None:
         report["versions"] = versions()
     for variant in args.variants.split(","):
         Path(args.out).write_text(json.dumps(report, indent=2))  # the variants done so far outlive a killed call
-        command = [__file__, "--one", variant, "--model-dir", str(model_dir), "--steps", str(args.steps)]
-        command += ["--max-completion-length", str(args.max_completion_length)]
-        command += ["--stand-in"] if args.stand_in else []
-        environment = {key: value for key, value in os.environ.items() if not key.startswith("TRL_VLM_FIXES")}
-        environment.update(VARIANT_SWITCHES[variant])
-        result, run = run_in_fresh_process(command, timeout=args.timeout, env=environment)
-        if run is None:
-            report["variants"][variant] = {"trained": False, "error": f"no result within {args.timeout} s (hang?)"}
-            print(f"{variant}: timed out after {args.timeout} s", flush=True)
-            continue
-        if result is None:
-            error = "\n".join(error_lines(run)[-5:]) or f"exit {run.returncode}"
+        arguments = ["--model-dir", str(model_dir), "--steps", str(args.steps)]
+        arguments += ["--max-completion-length", str(args.max_completion_length)]
+        arguments += ["--stand-in"] if args.stand_in else []
+        result, run, error = variant_in_fresh_process(
+            __file__, variant, arguments, VARIANT_SWITCHES[variant], args.timeout
+        )
+        if result is None or run is None:
             report["variants"][variant] = {"trained": False, "error": error}
-            print(f"{variant}: failed (exit {run.returncode})\n" + "\n".join(run.stderr.splitlines()[-25:]), flush=True)
             continue
         report["variants"][variant] = result
         print(json.dumps(summarize(variant, result)), flush=True)

@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from ..declaration import Fix
-from ..engine_args import EngineBuild, engine_builder_targets, served_model_config, serves_gated_deltanet
+from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..logs import fix_logger
 from ..registry import active, value
 from ..switches import SwitchValueError, choice
@@ -172,13 +172,7 @@ def arguments_problem() -> str | None:
     return cudagraph_mode_problem(selected_mode()) or cudagraph_mode_problem(PROTECTED_MODE)
 
 
-def scope(trainer: Any) -> str | None:
-    """The engine TRL builds for this trainer: none without vLLM, untouched for a model without GDN layers."""
-    if not getattr(trainer, "use_vllm", False):
-        return "use_vllm is off: no vLLM engine"
-    if not serves_gated_deltanet(EngineBuild("", served_model_config(trainer, {}))):
-        return "the served model has no Gated-DeltaNet layers"
-    return None
+scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
 
 
 def engine_cudagraph_mode(config: Any) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from packaging.version import Version
 
 from ..declaration import Fix
-from ..engine_args import EngineBuild, engine_builder_targets, served_model_config, serves_gated_deltanet
+from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..registry import active, value
 from ..switches import SwitchValueError, choice
 from ..versions import installed_version, public_version
@@ -89,13 +89,7 @@ def kernel_gone_reason() -> str | None:
     )
 
 
-def scope(trainer: Any) -> str | None:
-    """The engine TRL builds for this trainer: none without vLLM, untouched for a model without GDN layers."""
-    if not getattr(trainer, "use_vllm", False):
-        return "use_vllm is off: no vLLM engine"
-    if not serves_gated_deltanet(EngineBuild("", served_model_config(trainer, {}))):
-        return "the served model has no Gated-DeltaNet layers"
-    return None
+scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
 
 
 def selftest(context: Any, family: str) -> Any:

@@ -59,12 +59,15 @@ def length_reward(completions: list[Any], **_: Any) -> list[float | None]:
 
 
 def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "grpo", **overrides: Any) -> Any:
-    """A real GRPOTrainer or RLOOTrainer on the tiny model: CPU, float32, no reporting, mixed dataset by default."""
+    """A real GRPOTrainer or RLOOTrainer on the tiny model: CPU, float32, no reporting, mixed dataset by default
+    (``dataset``, ``reward_funcs`` and ``rollout_func`` go to the trainer, the rest to its config)."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     classes: tuple[Any, Any] = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     config_class, trainer_class = classes
     dataset = overrides.pop("dataset", None)
+    reward_funcs = overrides.pop("reward_funcs", length_reward)
+    rollout = {"rollout_func": overrides.pop("rollout_func")} if "rollout_func" in overrides else {}
     settings: dict[str, Any] = {
         "output_dir": output_dir,
         "per_device_train_batch_size": 4,
@@ -81,8 +84,9 @@ def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "
     }
     return trainer_class(
         model=str(model_dir),
-        reward_funcs=length_reward,
+        reward_funcs=reward_funcs,
         args=config_class(**settings),
         train_dataset=dataset if dataset is not None else mixed_dataset(),
         processing_class=processor,
+        **rollout,
     )

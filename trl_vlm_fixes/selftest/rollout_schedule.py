@@ -115,9 +115,15 @@ def standin_engine_installed(engine_class: Any = None) -> Iterator[None]:
 
 
 def build_generation(
-    model_dir: Any, processor: Any, enable_sleep_mode: bool = True, engine_class: Any = None, text_only: bool = False
+    model_dir: Any,
+    processor: Any,
+    enable_sleep_mode: bool = True,
+    engine_class: Any = None,
+    text_only: bool = False,
+    model: Any = None,
 ) -> Any:
-    """TRL's real VLLMGeneration in colocate mode, on the stand-in engine (the module's LLM is swapped meanwhile)."""
+    """TRL's real VLLMGeneration in colocate mode, on the stand-in engine (or ``engine_class``: the module's LLM is
+    swapped meanwhile), for the checkpoint in ``model_dir`` or an already built trainer ``model``."""
     import importlib
 
     from accelerate import Accelerator
@@ -134,7 +140,8 @@ def build_generation(
     vllm_generation.is_vllm_available = lambda *a, **k: True
     try:
         return vllm_generation.VLLMGeneration(
-            model=(AutoModelForCausalLM if text_only else AutoModelForImageTextToText).from_pretrained(model_dir),
+            model=model
+            or (AutoModelForCausalLM if text_only else AutoModelForImageTextToText).from_pretrained(model_dir),
             accelerator=Accelerator(cpu=True),
             processing_class=processor,
             mode="colocate",

@@ -117,6 +117,22 @@ def _patch_size(family: str) -> int:
     return 14 if family == "qwen2_5_vl" else PATCH_SIZE
 
 
+def qwen35_layer_stack(layers: int, heads: int, head_dim: int, value_heads: int) -> dict[str, Any]:
+    """Qwen3.5's text stack as released at any size: three Gated-DeltaNet layers to one full-attention layer, with
+    the head dims vLLM's kernels accept (for the benchmarks' realistic shapes)."""
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": heads,
+        "linear_num_value_heads": value_heads,
+    }
+
+
 def build_config(
     vocab_size: int,
     token_ids: dict[str, int],
