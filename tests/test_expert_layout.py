@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 from simulated_gpu import oracle_choice
 
-import trl_vlm_fixes
-
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
@@ -44,18 +42,18 @@ class _Recorded:
         pass
 
 
-def _engine_arguments(model_dir: Path, fix_on: bool = True) -> dict[str, Any]:
-    """The keyword arguments TRL's colocated ``LLM(...)`` call gets, with the fix applied or reverted."""
+def _engine_arguments(
+    model_dir: Path, switch: Callable[[str, str], None] | None = None, on: bool = True
+) -> dict[str, Any]:
+    """The keyword arguments TRL's colocated ``LLM(...)`` call gets (``switch``: the ``with_setting`` fixture, to
+    turn the fix off or on through its environment switch first)."""
     from transformers import AutoProcessor
 
     from trl_vlm_fixes.selftest.rollout_schedule import build_generation
 
-    if not fix_on:
-        trl_vlm_fixes.revert("expert_layout")
-    try:
-        generation = build_generation(model_dir, AutoProcessor.from_pretrained(model_dir), engine_class=_Recorded)
-    finally:
-        trl_vlm_fixes.apply(expert_layout=True)
+    if switch is not None:
+        switch("TRL_VLM_FIXES_EXPERT_LAYOUT", "1" if on else "0")
+    generation = build_generation(model_dir, AutoProcessor.from_pretrained(model_dir), engine_class=_Recorded)
     return dict(generation.llm.init_kwargs)
 
 
@@ -65,19 +63,20 @@ def _engine_arguments(model_dir: Path, fix_on: bool = True) -> dict[str, Any]:
 def test_a_rearranging_default_is_replaced_by_triton_and_said(
     simulated_gpu: Callable[[tuple[int, int], bool], None],
     family_model_dir: Callable[[str], Path],
+    with_setting: Callable[[str, str], None],
     caplog: pytest.LogCaptureFixture,
     capability: tuple[int, int],
     default: str,
 ) -> None:
     model_dir = family_model_dir("qwen3_5_moe")
     simulated_gpu(capability, True)
-    upstream = _engine_arguments(model_dir, fix_on=False)
+    upstream = _engine_arguments(model_dir, with_setting, on=False)
     assert "moe_backend" not in upstream
     assert oracle_choice(upstream, _text(model_dir)) == default  # the backend that rearranges what a push writes
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
-        fixed = _engine_arguments(model_dir)
+        fixed = _engine_arguments(model_dir, with_setting, on=True)
     assert fixed["moe_backend"] == "triton"
     assert oracle_choice(fixed, _text(model_dir)) == "TRITON"
     [line] = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
@@ -158,3 +157,22 @@ def test_the_trainer_start_state_is_where_it_acts(
     assert f"{state}: {detail}".startswith(expected.split(": ")[0])
     assert expected.split(": ", 1)[-1] in f"{state}: {detail}"
     assert ("moe_backend" in trainer.vllm_generation.llm.init_kwargs) == (state == "applied")
+
+
+def test_a_push_that_will_fail_is_said_at_the_engine_build(
+    family_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM >= 0.26 reads fused Qwen3-VL-MoE experts transposed, so TRL's first push fails with a size mismatch
+    (tests/test_moe_weight_push.py shows it): the engine build says so, naming the cause; vLLM 0.25.1 takes both."""
+    from transformers import AutoConfig
+
+    from trl_vlm_fixes.moe_backend import fused_expert_layout_problem
+
+    model_dir = family_model_dir("qwen3_vl_moe")
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        _engine_arguments(model_dir)
+    said = [r.getMessage() for r in caplog.records if "TRL's weight push into this engine will fail" in r.getMessage()]
+    expected = fused_expert_layout_problem(AutoConfig.from_pretrained(model_dir))
+    assert said == (
+        [f"trl_vlm_fixes.expert_layout: TRL's weight push into this engine will fail: {expected}"] if expected else []
+    )

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -405,6 +406,26 @@ def test_server_advice_is_as_wide_as_the_model(tiny_model_dir: Path, tiny_text_m
     unknown = advice("nobody/not-downloaded-model")
     assert "For a Qwen3.5 (Gated-DeltaNet) model (this one's config could not be read here)" in unknown
     assert "--compilation-config" in unknown
+
+
+def test_server_advice_names_the_expert_backend_for_a_model_with_routed_experts(
+    family_model_dir: Callable[[str], Path], tiny_model_dir: Path, caplog: Any
+) -> None:
+    """vLLM's own server (TRL >= 1.11) is out of expert_layout's reach: for a model with routed experts it says to
+    pass ``--moe-backend triton`` (unless the command names a backend); for a dense model it says nothing of it."""
+    from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, advise_trl_server
+
+    def expert_lines(model: Path, *given: str) -> list[str]:
+        argv = ["python", *TRL_SERVER_COMMAND, str(model), TRL_SERVER_FLAG, "{}", *given]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+            advise_trl_server(argv, {"VLLM_SERVER_DEV_MODE": "1"})
+        return [r.getMessage() for r in caplog.records if "has routed experts" in r.getMessage()]
+
+    [line] = expert_lines(family_model_dir("qwen3_5_moe"))
+    assert line.startswith(ADVICE) and "pass --moe-backend triton to `trl vllm-serve`" in line
+    assert expert_lines(family_model_dir("qwen3_5_moe"), "--moe_backend", "triton") == []
+    assert expert_lines(tiny_model_dir) == []
 
 
 ADVICE_PROBE = """

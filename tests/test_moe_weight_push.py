@@ -307,7 +307,10 @@ def test_qwen3_vl_moe_push_fails_loudly(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fix_on", [False, True], ids=["fix-off", "fix-on"])
 def test_the_engine_trl_builds_runs_a_backend_its_pushes_land_in(
-    moe_push: Callable[..., Push], family_model_dir: Callable[[str], Path], fix_on: bool
+    moe_push: Callable[..., Push],
+    family_model_dir: Callable[[str], Path],
+    with_setting: Callable[[str, str], None],
+    fix_on: bool,
 ) -> None:
     """expert_layout end to end, on a GPU whose vLLM default rearranges the experts (simulated SM120 with FlashInfer:
     CUTLASS): TRL's own ``_init_vllm`` builds the engine's arguments, vLLM's oracle picks the backend for them, and
@@ -316,20 +319,15 @@ def test_the_engine_trl_builds_runs_a_backend_its_pushes_land_in(
     from simulated_gpu import oracle_choice, simulate_gpu
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    import trl_vlm_fixes
     from trl_vlm_fixes.patches.expert_layout import read_back
 
     model_dir = family_model_dir("qwen3_5_moe")
     trainer = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     recorder = _Engine(None)
+    with_setting("TRL_VLM_FIXES_EXPERT_LAYOUT", "1" if fix_on else "0")
     with pytest.MonkeyPatch.context() as patch:
         simulate_gpu(patch, (12, 0), True)
-        if not fix_on:
-            trl_vlm_fixes.revert("expert_layout")
-        try:
-            _generation(trainer, recorder, AutoProcessor.from_pretrained(model_dir))
-        finally:
-            trl_vlm_fixes.apply(expert_layout=True)
+        _generation(trainer, recorder, AutoProcessor.from_pretrained(model_dir))
         backend = oracle_choice(recorder.built_with, AutoConfig.from_pretrained(model_dir).text_config.to_dict())
     assert recorder.built_with.get("moe_backend") == ("triton" if fix_on else None)
     assert backend == ("TRITON" if fix_on else "FLASHINFER_CUTLASS")

@@ -545,3 +545,26 @@ def test_a_repeated_hang_is_named_only_for_the_engine_step_rule(monkeypatch: pyt
     assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))
     monkeypatch.setattr(resume, "_restarted_after", {("2", "engine-step")})  # another step
     assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))
+
+
+def test_the_progress_it_counts_is_the_installed_vllms_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The colocated watch counts ``llm_engine.step()`` returns: the installed vLLM's ``LLM.generate`` must loop on
+    them (read from its source), and where it would not, the watch falls back to a total-time limit instead of
+    ending a healthy rollout that shows no steps."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches.watchdog import engine
+
+    assert engine.generate_steps_the_engine() is True
+
+    def step() -> str:
+        return "step"
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(step=step), generate=lambda: "out")
+    with engine.watch_engine(llm, 600.0, None):
+        assert llm.llm_engine.step is not step  # the progress hook
+    monkeypatch.setattr(engine, "generate_steps_the_engine", lambda: False)
+    with engine.watch_engine(llm, 600.0, None):
+        assert llm.llm_engine.step is step  # no progress hook where vLLM takes no steps: the total-time watch
+        assert llm.generate() == "out"

@@ -48,6 +48,7 @@ class EngineBuild:
     protected: bool = False  # the last run hung twice at one step: the fixes' protected settings, not the selected
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
     stepped_aside: list[tuple[str, str]] = field(default_factory=list)  # (fix, why it leaves this engine alone)
+    protected_by: list[str] = field(default_factory=list)  # the fixes that used their protected setting
 
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
@@ -118,8 +119,12 @@ def describe(build: EngineBuild) -> str:
     """One line: the settings chosen and their cost, and which fixes stepped aside and why."""
     parts = []
     if build.changes:
-        protected = " (the protected settings: the last run hung twice at one step)" if build.protected else ""
+        protected = " (the protected settings: the last run hung twice at one step)" if build.protected_by else ""
         parts.append("with " + "; ".join(sorted(build.changes)) + protected)
+    if build.protected and not build.protected_by:
+        parts.append(
+            "the last run hung twice at one step, but no engine fix with protected settings acts on this model"
+        )
     reasons: dict[str, list[str]] = {}
     for name, reason in build.stepped_aside:
         if build.model_config is None:  # every scope reads the config: none of them could decide

@@ -105,16 +105,17 @@ class Registry:
         """Enable every fix the environment (or ``choices``, which win) allows, reading every setting now; a second
         call with no new choice changes nothing. A bad value raises at once, naming it."""
         with self._lock:
+            # a bad value (a choice, a setting or a switch in the environment) raises before anything changes
+            validate_environment([name for name, fix in self.fixes.items() if fix.switch_setting is None])
             if choices:
                 self._check_choices(choices)
-                self._check_values({**self._choices, **choices})  # a bad value raises before anything changes
+                self._check_values({**self._choices, **choices})
                 if self._active:
                     self._unpatch_all()
                     self._active = False
                 self._choices.update(choices)
                 for name in choices:
                     self._records[name].reverted_alone = False
-            validate_environment([name for name, fix in self.fixes.items() if fix.switch_setting is None])
             if self._active:
                 return
             self._read_settings()

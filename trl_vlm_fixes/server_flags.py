@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .logs import fix_logger
+from .moe_backend import has_routed_experts
 from .patches.cudagraph import selected_mode
 from .patches.gdn_prefill import kernel_gone_reason, selected_backend
 from .registry import active
@@ -116,6 +117,21 @@ def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
         return None
 
 
+def expert_flag_to_pass(argv: Sequence[str]) -> str | None:
+    """``--moe-backend triton`` for a served model with routed experts, unless the command names a backend: vLLM's
+    FlashInfer MoE backends (its default on Blackwell) rearrange the experts after loading, and TRL's weight push
+    never re-runs that step (expert_layout). Which backend this GPU would get is not asked here: that needs torch,
+    which must not be imported before vLLM's start-up; on Hopper Triton is vLLM's default anyway."""
+    if not active().is_enabled("expert_layout") or "--moe-backend" in dict(_options(argv)):
+        return None
+    try:
+        config = served_model_config(argv)
+    except Exception as error:  # noqa: BLE001 - unreadable here: nothing is claimed
+        LOGGER.debug("cannot read the served model's config: %r", error)
+        return None
+    return "--moe-backend triton" if config is not None and has_routed_experts(config) else None
+
+
 def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
     """One line in vLLM's server started by ``trl vllm-serve``: a WARNING naming the flags the fixes would set when
     they are missing for a Gated-DeltaNet model, or why none are needed for a model without such layers."""
@@ -125,15 +141,25 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
             return
         flags = flags_to_pass(argv)
         gated_deltanet = served_model_has_gated_deltanet(argv) if flags else None
+        expert_flag = expert_flag_to_pass(argv)
     except Exception as error:  # noqa: BLE001 - advice must never break the server's start
         LOGGER.debug("no server advice: %r", error)
-        return
-    if not flags:
         return
     server = (
         "this is vLLM's own server, which `trl vllm-serve` (TRL >= 1.11) starts in its place: the "
         "engine fixes cannot reach its engine"
     )
+    if expert_flag:
+        LOGGER.warning(
+            "%s. The served model (%s) has routed experts: pass %s to `trl vllm-serve` (vLLM's FlashInfer MoE "
+            "backends, its default on Blackwell, rearrange the experts after loading and TRL's weight push would "
+            "leave them in the wrong layout; on Hopper it is vLLM's default already).",
+            server,
+            served_model(argv),
+            expert_flag,
+        )
+    if not flags:
+        return
     if gated_deltanet is False:
         LOGGER.warning(
             "%s; none is needed: the served model (%s) has no Gated-DeltaNet layers.", server, served_model(argv)

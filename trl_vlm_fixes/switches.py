@@ -19,20 +19,6 @@ class SwitchValueError(ValueError):
     """A trl_vlm_fixes environment variable holds a value we do not understand."""
 
 
-def read_choice(variable: str, valid: tuple[str, ...], default: str, error: type[ValueError], what: str) -> str:
-    """A variable naming one of ``valid`` (any case); unset gives ``default``, anything else raises ``error``."""
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    choice = next((name for name in valid if name.lower() == raw.lower()), None)
-    if choice is None:
-        raise error(
-            f"{variable}={raw!r} is not {what}. Accepted values: {', '.join(valid)}. Unset it for the default "
-            f"({default})."
-        )
-    return choice
-
-
 def fix_switch(fix_name: str) -> str:
     """The variable that turns one fix off, e.g. ``TRL_VLM_FIXES_MM_REALIGN``."""
     return f"{MASTER_SWITCH}_{fix_name.upper()}"

@@ -61,6 +61,8 @@ def selected_mode() -> str:
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Merge the selected ``cudagraph_mode`` into the engine's compilation config (``NONE`` after a repeated hang)."""
     mode = active().protected_value("cudagraph", MODE.key) if build.protected else selected_mode()
+    if build.protected:
+        build.protected_by.append("cudagraph")
     kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
     build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {MODE.variable} to choose)")
 

@@ -22,14 +22,18 @@ from typing import Any
 
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, served_model_config
+from ..logs import fix_logger
 from ..moe_backend import (
     REARRANGING_BACKENDS,
     expected_moe_backend,
     expert_backend_argument,
+    fused_expert_layout_problem,
     has_routed_experts,
     rearranging_moe_backend,
 )
 from ..vllm_arguments import engine_argument_problem
+
+LOGGER = fix_logger(__name__)
 
 NO_ROUTED_EXPERTS = "has no routed experts"
 
@@ -58,6 +62,8 @@ def kept_layout(kwargs: dict[str, Any], model_config: Any) -> str | None:
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Pin Triton where vLLM's default would rearrange the experts; refuse a rearranging backend asked for by name."""
+    if transposed := fused_expert_layout_problem(build.model_config):  # loud, at the first push: said up front
+        LOGGER.warning("%s", f"TRL's weight push into this engine will fail: {transposed}")
     if (kept := kept_layout(kwargs, build.model_config)) is not None:
         build.stepped_aside.append(("expert_layout", kept))
         return

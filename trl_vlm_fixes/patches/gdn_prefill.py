@@ -41,6 +41,8 @@ def selected_backend() -> str:
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
     """Select the prefill backend."""
     backend = active().protected_value("gdn_prefill", BACKEND.key) if build.protected else selected_backend()
+    if build.protected:
+        build.protected_by.append("gdn_prefill")
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")

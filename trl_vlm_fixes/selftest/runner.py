@@ -118,10 +118,12 @@ def collect() -> dict[str, Any]:
 
 
 def _over_families(results: list[CheckResult]) -> CheckResult:
-    """One verdict over the families: the bug shows (and the fix works) only where it does for every family."""
+    """One verdict over the families that the check applies to (None: not for that family): a failure in any
+    family fails; n/a only where it applies to none."""
 
     def every(values: list[bool | None]) -> bool | None:
-        return None if None in values else all(values)
+        known = [value for value in values if value is not None]
+        return all(known) if known else None
 
     return CheckResult(
         results[0].state,

@@ -12,6 +12,8 @@ The hooks are instance attributes, set for one generate: vLLM's and TRL's classe
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -29,6 +31,25 @@ LIKELY_CAUSE = (
 SERVER_CALLS = ("generate", "image_features")  # TRL >= 1.16 sends images to the server first
 _MARK = "_trl_vlm_fixes_watched"
 _ABSENT = object()
+_ENGINE_LOOP = ("vllm.entrypoints.offline_utils", "vllm.entrypoints.llm")  # where vLLM's LLM.generate loops
+
+
+@functools.cache
+def generate_steps_the_engine() -> bool | None:
+    """Does the installed vLLM's ``LLM.generate`` loop ``self.llm_engine.step()``, the progress the colocated watch
+    counts? Read from its source: False would make a healthy long rollout look hung, so the total-time watch takes
+    over; None without vLLM (a stand-in engine, whose step is its own)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for module in _ENGINE_LOOP:
+        try:
+            spec = importlib.util.find_spec(module)
+            with open(spec.origin or "", encoding="utf-8") as handle:  # type: ignore[union-attr]
+                if "self.llm_engine.step()" in handle.read():
+                    return True
+        except (ImportError, AttributeError, OSError, ValueError):
+            continue
+    return False
 
 
 @contextmanager
@@ -59,7 +80,7 @@ def hooked(obj: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
 @contextmanager
 def watch_engine(llm: Any, floor: float, generation: Any) -> Iterator[None]:
     engine = getattr(llm, "llm_engine", None)
-    if not callable(getattr(engine, "step", None)):
+    if not callable(getattr(engine, "step", None)) or generate_steps_the_engine() is False:
         with hooked(llm, "generate", _total(limits.ENGINE_GENERATE, floor, generation)):
             yield
         return

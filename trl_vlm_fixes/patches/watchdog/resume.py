@@ -103,7 +103,8 @@ def _repeat_note(context: report.HangContext) -> str | None:
     return (
         f"{REPEATED} the run restarted after an engine hang at step {context.step} and its engine hung again at step "
         f"{context.step} (the same batch replayed): the restart builds the engine with the protected settings "
-        f"(cudagraph_mode=NONE{prefill})."
+        f"where the engine fixes act (a model with Gated-DeltaNet layers: cudagraph_mode=NONE{prefill}); another "
+        "model's engine is built as before."
     )
 
 
