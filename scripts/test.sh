@@ -6,11 +6,12 @@
 # 5.25.0, NEWEST_VLLM 0.31.0, the newest TRL 1.16 supports). LATEST_TRL=none skips the second and third,
 # NEWEST_VLLM=none the third. Extra arguments go to pytest. Each stage prints its time ("stage ... took N s").
 #
+# pytest runs 3 workers on CI's 2 cores: many tests wait on subprocesses, timers and hang limits rather than compute.
 # Tests marked `stack_independent` run on the validated stack only: what they prove cannot differ between the stacks
 # (the plugin's own mechanisms, which import no TRL/transformers/vLLM code on the path they test: the watchdog's timer,
 # backstop, report and limits files, the resume decision over checkpoint folders; the launcher's bootstrap; the GPU
-# scripts' dry runs, written for the validated stack the GPU record runs). Every test that runs TRL, transformers or
-# vLLM code runs on all three.
+# scripts' dry runs: the GPU record runs only the validated stack, so its scripts are checked there). Every other
+# test that runs TRL, transformers or vLLM code runs on all three.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -59,14 +60,14 @@ rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
 # tests run from a folder without the package in it, so `import trl_vlm_fixes` is the installed wheel
 stage=$root/.test-stage
 rm -rf "$stage" && mkdir -p "$stage"
-for item in tests benchmarks examples conftest.py pyproject.toml; do ln -s "$root/$item" "$stage/$item"; done
+for item in tests benchmarks examples conftest.py pyproject.toml README.md ARCHITECTURE.md; do ln -s "$root/$item" "$stage/$item"; done
 run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; the rest go to pytest
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   (cd "$stage" && "$1/bin/python" -c "import trl_vlm_fixes, sys; sys.exit(trl_vlm_fixes.__file__.startswith('$root/trl_vlm_fixes'))")
   stage "self-test ($1)"
   (cd "$stage" && "$1/bin/trl-vlm-fixes" selftest)
   stage "pytest ($1, -m '$2')"
-  (cd "$stage" && "$1/bin/python" -m pytest -n 2 -p no:cacheprovider --durations=15 -m "$2" "${@:3}")
+  (cd "$stage" && "$1/bin/python" -m pytest -n 3 -p no:cacheprovider --durations=15 -m "$2" "${@:3}")
 }
 stage "install (validated stack)"
 run_suite "$root/.venv" "" "$@"

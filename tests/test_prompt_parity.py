@@ -163,17 +163,11 @@ def test_tool_turn_that_adds_an_image(
     answer = tokenizer("blue<|im_end|>", add_special_tokens=False)["input_ids"]
 
     class ScriptedEngine(StandInLLM):
-        """Calls the tool once per rollout, then answers."""
+        """Calls the tool once per rollout, then answers (its log-probs for those tokens are vLLM's)."""
 
-        def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-            outputs = super().generate(prompts, sampling_params, **kwargs)
-            for output in outputs:
-                turn = tokenizer.decode(output.prompt_token_ids).count("<tool_response>")
-                for completion in output.outputs:
-                    completion.token_ids = list(tool_call if turn == 0 else answer)
-                    if completion.logprobs is not None:
-                        completion.logprobs = completion.logprobs[:1] * len(completion.token_ids)
-            return outputs
+        def script(self, prompt_ids: list[int], row: int, sample: int) -> list[int]:
+            turn = tokenizer.decode(prompt_ids).count("<tool_response>")
+            return list(tool_call if turn == 0 else answer)
 
     monkeypatch.setattr(vllm_generation, "LLM", ScriptedEngine, raising=False)
     config = GRPOConfig(

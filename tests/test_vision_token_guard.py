@@ -7,6 +7,7 @@ through (ban off) its row is masked out of the loss and counted, never a crash.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -614,7 +615,13 @@ def test_a_users_own_none_reward_is_still_warned_about(
         return [10.0, 0.0, None, 2.0]
 
     trainer.reward_funcs = [leaves_row_2_unscored]
-    with caplog.at_level("WARNING"):
-        trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "describe"}]}] * 4)
-    named = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    trl_logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's, whatever an earlier test did to its level
+    trl_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING"), caplog.at_level("WARNING", logger=trl_logger.name):
+            trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "describe"}]}] * 4)
+    finally:
+        trl_logger.removeHandler(caplog.handler)
+    records = {id(r): r for r in caplog.records}.values()  # the handler may see a record twice (propagation)
+    named = [r.getMessage() for r in records if "All reward functions returned None" in r.getMessage()]
     assert len(named) == 1 and "for row 2 " in named[0], named
