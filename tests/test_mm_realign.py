@@ -329,6 +329,32 @@ def test_a_model_with_another_rope_index_is_left_alone_with_one_log_line(
     assert "another get_rope_index" in (mm_realign.scope(trainer) or "")
 
 
+def test_the_proven_code_is_what_transformers_ships_whatever_is_patched_when_first_asked(
+    make_trainer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proven implementations are read once per process: read while a runtime patch (a user's, another
+    library's) had replaced Qwen3.5's get_rope_index, they once made the patch the proven code and Qwen3.5 itself
+    "another get_rope_index" for the rest of the process (found by CI: it depended on which test came first)."""
+    from trl_vlm_fixes import vision_tokens
+    from trl_vlm_fixes.patches import mm_realign
+
+    trainer = make_trainer("grpo")
+    backbone = type(trainer.model.model)
+    original = backbone.get_rope_index
+
+    def patched_rope_index(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    vision_tokens._proven_codes.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(backbone, "get_rope_index", patched_rope_index)
+            assert "another get_rope_index" in (mm_realign.scope(trainer) or "")
+        assert mm_realign.scope(trainer) is None
+    finally:
+        vision_tokens._proven_codes.cache_clear()
+
+
 def test_a_text_model_is_left_alone(tiny_text_model_dir: Any) -> None:
     from transformers import AutoModelForCausalLM
 

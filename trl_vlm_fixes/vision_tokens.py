@@ -117,23 +117,37 @@ def _code(function: Callable[..., Any]) -> str | None:
     except (OSError, TypeError, SyntaxError):
         return None
     definition = tree.body[0]
-    if isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
-        body = definition.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-            definition.body = body[1:]
-        definition.name = "get_rope_index"
+    return (
+        _normalised(definition)
+        if isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef)
+        else ast.dump(definition)
+    )
+
+
+def _normalised(definition: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    body = definition.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        definition.body = body[1:]
+    definition.name = "get_rope_index"
     return ast.dump(definition)
 
 
 @functools.cache
 def _proven_codes() -> frozenset[str]:
+    """The proven implementations as transformers ships them: read from their module's source file, not from the
+    class attribute, which a runtime patch (a user's, another library's, a test's) may have replaced when this is
+    first asked; a patched get_rope_index is then another implementation, as it should be."""
     codes = set()
     for module_name, class_name in PROVEN_ROPE_INDEX:
         try:
-            owner = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
+            tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+        except (ImportError, OSError, TypeError, SyntaxError):
             continue
-        code = _code(owner.get_rope_index)
-        if code is not None:
-            codes.add(code)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                codes.update(
+                    _normalised(item)
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "get_rope_index"
+                )
     return frozenset(codes)
