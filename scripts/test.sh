@@ -6,7 +6,8 @@
 # (NEWEST_TRANSFORMERS 5.25.0, NEWEST_VLLM 0.31.0, the newest TRL 1.16 supports). LATEST_TRL=none runs the validated
 # stack only. LATEST_TRL_ON_VALIDATED=1 adds, between the two, that TRL on the validated transformers and vLLM (not in
 # CI: it tells a TRL change from a transformers/vLLM one, and three stacks do not fit CI's 30 minutes on 2 cores; last
-# run 2026-12-05, every test passed). Extra arguments go to pytest. Each stage prints its time ("stage ... took N s").
+# run 2026-12-05 on commit 5620319, every test passed). Extra arguments go to pytest. Each stage prints its time
+# ("stage ... took N s").
 #
 # pytest runs 3 workers on CI's 2 cores: many tests wait on subprocesses, timers and hang limits rather than compute
 # (conftest.py gives every test process one OpenMP thread, so the workers do not spin against each other).
@@ -21,6 +22,10 @@ root=$(pwd)
 latest=${LATEST_TRL:-1.16.0}
 newest_transformers=${NEWEST_TRANSFORMERS:-5.25.0}
 newest_vllm=${NEWEST_VLLM:-0.31.0}
+if [ "$newest_vllm" = none ] || [ "$newest_transformers" = none ]; then  # NEWEST_VLLM=none once skipped the third stack
+  echo "scripts/test.sh: the newest stack is the only one after the validated stack; LATEST_TRL=none skips it." >&2
+  exit 2
+fi
 started=$SECONDS
 stage_started=$SECONDS
 stage() {  # the time of the stage that just ended, then the name of the next
@@ -35,7 +40,7 @@ need_gb=0
 [ -x .venv/bin/python ] || need_gb=8
 if [ "$latest" != "none" ]; then
   [ -x .venv-newest/bin/python ] || need_gb=$((need_gb + 2))
-  [ -z "${LATEST_TRL_ON_VALIDATED:-}" ] || [ -x .venv-trl-latest/bin/python ] || need_gb=$((need_gb + 2))
+  [ "${LATEST_TRL_ON_VALIDATED:-0}" != 1 ] || [ -x .venv-trl-latest/bin/python ] || need_gb=$((need_gb + 2))
 fi
 free_gb=$(($(df -Pk . | awk 'NR==2 {print $4}') / 1048576))
 if [ "$free_gb" -lt "$need_gb" ]; then
@@ -73,7 +78,7 @@ run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; 
 stage "install (validated stack)"
 run_suite "$root/.venv" "" "$@"
 if [ "$latest" != "none" ]; then
-  if [ -n "${LATEST_TRL_ON_VALIDATED:-}" ]; then
+  if [ "${LATEST_TRL_ON_VALIDATED:-0}" = 1 ]; then
     stage "environment (TRL $latest)"
     VENV=.venv-trl-latest TRL="$latest" BASE=.venv bash scripts/setup_env.sh
     run_suite "$root/.venv-trl-latest" "not stack_independent" "$@"

@@ -349,6 +349,11 @@ def test_the_proven_code_is_what_transformers_ships_whatever_is_patched_when_fir
     try:
         with monkeypatch.context() as patch:
             patch.setattr(backbone, "get_rope_index", patched_rope_index)
+            # every proven implementation found where transformers ships it, whatever is patched in
+            assert len(vision_tokens._proven_codes()) == len(vision_tokens.PROVEN_ROPE_INDEX)
+        vision_tokens._proven_codes.cache_clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(backbone, "get_rope_index", patched_rope_index)
             assert "another get_rope_index" in (mm_realign.scope(trainer) or "")
         assert mm_realign.scope(trainer) is None
     finally:

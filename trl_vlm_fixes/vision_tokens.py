@@ -16,6 +16,7 @@ import ast
 import functools
 import importlib
 import inspect
+import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,20 +135,31 @@ def _normalised(definition: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
 
 @functools.cache
 def _proven_codes() -> frozenset[str]:
-    """The proven implementations as transformers ships them: read from their module's source file, not from the
-    class attribute, which a runtime patch (a user's, another library's, a test's) may have replaced when this is
-    first asked; a patched get_rope_index is then another implementation, as it should be."""
-    codes = set()
+    """The proven implementations as transformers ships them: read from the source files of the proven classes (and
+    their bases, nearest first), not from the class attribute, which a runtime patch (a user's, another library's, a
+    test's) may have replaced when this is first asked; a replacement is then another implementation (a
+    ``functools.wraps`` wrapper is read through to the code it wraps)."""
+    codes: set[str] = set()
     for module_name, class_name in PROVEN_ROPE_INDEX:
         try:
-            tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
-        except (ImportError, OSError, TypeError, SyntaxError):
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
             continue
-        for node in tree.body:
-            if isinstance(node, ast.ClassDef) and node.name == class_name:
-                codes.update(
-                    _normalised(item)
-                    for item in node.body
-                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "get_rope_index"
-                )
+        code = next(filter(None, map(_shipped_rope_index, owner.__mro__)), None)
+        if code is not None:
+            codes.add(code)
     return frozenset(codes)
+
+
+def _shipped_rope_index(owner: type) -> str | None:
+    """``owner``'s own ``def get_rope_index``, normalised, as written in its module's source file; None without one."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[owner.__module__]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == owner.__name__:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "get_rope_index":
+                    return _normalised(item)
+    return None
