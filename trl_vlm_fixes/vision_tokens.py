@@ -16,11 +16,12 @@ import ast
 import functools
 import importlib
 import inspect
-import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .source_shape import function_tree
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -152,14 +153,12 @@ def _proven_codes() -> frozenset[str]:
 
 
 def _shipped_rope_index(owner: type) -> str | None:
-    """``owner``'s own ``def get_rope_index``, normalised, as written in its module's source file; None without one."""
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[owner.__module__]))
-    except (KeyError, OSError, TypeError, SyntaxError):
+    """``owner``'s own ``def get_rope_index``, normalised, as written in its source file; None without one."""
+    tree = function_tree(owner)  # a class: its source as written (inspect reads the file, not the attributes)
+    definition = tree.body[0] if isinstance(tree, ast.Module) and tree.body else None
+    if not isinstance(definition, ast.ClassDef):
         return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == owner.__name__:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "get_rope_index":
-                    return _normalised(item)
+    for item in definition.body:
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "get_rope_index":
+            return _normalised(item)
     return None
