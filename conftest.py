@@ -41,6 +41,14 @@ def isolated_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_PORT", free_port())
 
 
+@pytest.fixture(autouse=True)
+def no_earlier_trainer() -> Iterator[None]:
+    """A trainer built by an earlier test in the same worker must not decide what a later test's status says
+    (CI ran test_reload_skip after a trainer that stepped reload_skip aside: order-dependent failure)."""
+    yield
+    trl_vlm_fixes.REGISTRY.forget_scopes()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm

@@ -196,6 +196,12 @@ class Registry:
                     reason = f"its scope could not be read ({error!r})"
                 self._records[fix.name].scope = (type(trainer).__name__, reason) if reason else None
 
+    def forget_scopes(self) -> None:
+        """No trainer built yet, as far as the reports go (each test starts from none; the wrappers stay)."""
+        with self._lock:
+            for record in self._records.values():
+                record.scope = None
+
     def fix_state(self, name: str) -> tuple[str, str]:
         """(state, detail) of one fix, aggregated over its targets."""
         fix = self.fixes[name]
