@@ -221,10 +221,20 @@ def run_in_fresh_process(
     Returns (result, process); the result is None when the child printed none, the process None when it timed out."""
     try:
         run = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
+        print_output_tail(expired, f"the last lines it wrote in {timeout} s (cold start or hang: they tell)")
         return None, None
     lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     return (json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None), run
+
+
+def print_output_tail(expired: subprocess.TimeoutExpired, heading: str, lines: int = 40) -> None:
+    """What a killed child wrote last (vLLM logs its compile and graph-capture progress with times)."""
+    written = []
+    for part in (expired.stdout, expired.stderr):
+        if part:
+            written += (part.decode(errors="replace") if isinstance(part, bytes) else part).splitlines()
+    print(f"--- {heading} ---\n" + "\n".join(line[:300] for line in written[-lines:]), flush=True)
 
 
 def error_lines(run: subprocess.CompletedProcess) -> list[str]:

@@ -83,7 +83,7 @@ case "$part" in
   sampling)  # (a): GRPO on the 1.2B script, fix on and off, 3 steps default sampling then 3 steps top_p 0.95 top_k 20
     check
     "$PY" benchmarks/gpu/grpo_end_to_end.py --hidden 2048 --layers 16 --variants "${SAMPLING_VARIANTS:-on,sampling_parity_off}" \
-      --sampling default,qwen --steps 3 --timeout 260 --out "$OUT/issue32-sampling.json" "${small[@]}" 2>&1 \
+      --sampling default,qwen --steps 3 --timeout ${VARIANT_TIMEOUT:-260} --out "$OUT/issue32-sampling.json" "${small[@]}" 2>&1 \
       | tee "$OUT/issue32-sampling.log"
     ;;
   moe)  # (b): the MoE kernels first (the bundles lack them), then the MoE VLM through colocate + sleep mode
@@ -96,7 +96,7 @@ case "$part" in
     fi
     check
     "$PY" benchmarks/gpu/moe_colocate.py --family qwen3_5_moe --hidden 512 --layers 4 --experts 8 \
-      --experts-per-token 2 --moe-intermediate 384 --steps 3 --variants "${MOE_VARIANTS:-on,reload_skip_off}" --timeout 260 \
+      --experts-per-token 2 --moe-intermediate 384 --steps 3 --variants "${MOE_VARIANTS:-on,reload_skip_off}" --timeout ${VARIANT_TIMEOUT:-260} \
       --out "$OUT/issue32-moe.json" "${moe_small[@]}" 2>&1 | tee "$OUT/issue32-moe.log"
     ;;
   *)
