@@ -1,6 +1,7 @@
 """sampling_parity's cost beside the scoring pass it joins, at Qwen3.5's vocabulary (248,320), measured in one run.
 
     python benchmarks/sampling_parity_cost.py [--hidden 1024] [--layers 8] [--rows 4] [--completion 256]
+        [--device cuda --dtype bfloat16]   # on a GPU, at a user's size (benchmarks/gpu/run_issue32.sh cost)
 The fix adds no forward pass: in the no-gradient scoring pass that gives TRL's ``old_per_token_logps`` it takes the
 hidden states that predict each scored token and computes its log-prob under vLLM's processed distribution
 (``patches/sampling_parity/processed.py``): for a ban alone, the banned tokens' logits and the sampled one's
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="completions in one scoring chunk")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--completion", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: timings then wait for the GPU's work")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
 
     import torch
@@ -43,6 +46,9 @@ def main() -> None:
     from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
 
     torch.manual_seed(0)
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    if args.device != "cpu":
+        torch.set_default_device(args.device)  # the model, the prompts and the fix's work on the GPU
     heads = max(2, args.hidden // 128)
     config = Qwen3_5TextConfig(
         vocab_size=VOCABULARY,
@@ -66,7 +72,14 @@ def main() -> None:
             logits = model(input_ids=ids, logits_to_keep=keep + 1, use_cache=False).logits[:, :-1, :]
             return logits, selective_log_softmax(logits, ids[:, -keep:])
 
-    seconds_pass = best_of(scoring_pass)
+    def timed(function: Any) -> float:
+        """Best of a few runs; on a GPU, until its queued work is done."""
+        if args.device == "cpu":
+            return best_of(function)
+        function()  # warm-up: kernel compilation and the allocator's first growth are not the steady cost
+        return best_of(lambda: (function(), torch.cuda.synchronize()))
+
+    seconds_pass = timed(scoring_pass)
     logits, trl_logps = scoring_pass()
     with torch.no_grad():
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, -(keep + 1) : -1]
@@ -82,14 +95,14 @@ def main() -> None:
     tokens = args.rows * keep
     print(
         f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
-        f"vocabulary {VOCABULARY:,}: {seconds_pass * 1e3:.0f} ms"
+        f"vocabulary {VOCABULARY:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms"
     )
     print(f"  {'settings':<28} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
     for name, distribution in cases.items():
         cells = []
         for source in (logits, None):
             positions = Positions(hidden, layer, source)
-            seconds = best_of(lambda p=positions, d=distribution: score(p, completion, d, 1.0).finish(trl_logps))
+            seconds = timed(lambda p=positions, d=distribution: score(p, completion, d, 1.0).finish(trl_logps))
             cells.append(f"{seconds * 1e3:7.1f} ms {seconds / seconds_pass:7.2%} {seconds / tokens * 1e6:6.1f} us/t")
         print(f"  {name:<28} {cells[0]:>30} {cells[1]:>34}")
 

@@ -142,6 +142,35 @@ def test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits(
         assert torch.allclose(shift, -log_kept, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES[:6], ids=[c[0] for c in CORE_CASES[:6]]
+)
+def test_a_default_dtype_set_by_the_user_changes_nothing(
+    name: str, settings: dict[str, Any], trainer_temperature: float, scale: float
+) -> None:
+    """Some training scripts call ``torch.set_default_dtype(torch.bfloat16)``: the fix's own tensors (thresholds,
+    biases, the rows it fills in) keep float32, so its result is the one computed under torch's default (found by
+    the GPU cost benchmark, which set the default: top-p raised a dtype mismatch inside the scoring pass)."""
+    states, layer = output_layer(5000, scale)
+    logits = states @ layer.weight.T
+    torch.manual_seed(1)
+    ids = torch.multinomial(torch.softmax(logits, -1), 1).squeeze(1)
+    distribution = read_distribution({"temperature": 1.0, **settings}, None)
+    assert isinstance(distribution, SamplingDistribution)
+    trl_logps = trl_log_probs(logits, ids, trainer_temperature)
+    positions = processed.Positions(states, layer)
+    expected = processed.score(positions, ids, distribution, trainer_temperature).finish(trl_logps)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        found = processed.score(positions, ids, distribution, trainer_temperature).finish(trl_logps)
+    finally:
+        torch.set_default_dtype(default)
+    for got, want in zip(found, expected, strict=True):
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+
+
 def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ban alone: gathers and TRL's own normaliser; full logits only for the positions whose banned share may be
     most of the mass (the subtraction would lose float32's digits there), and then exact."""

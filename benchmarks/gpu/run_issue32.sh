@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/run_issue32.sh prepare [DIR]   # HERE (CPU machine, registry access): bundles into DIR (.gpu)
 #   bash benchmarks/gpu/run_issue32.sh sampling        # GPU: (a) sampling parity, fix on/off, default then qwen
 #   bash benchmarks/gpu/run_issue32.sh moe [DIR/d]     # GPU: (b) installs vLLM's MoE kernels from DIR/d, then the MoE run
+#   bash benchmarks/gpu/run_issue32.sh cost            # GPU: (c) sampling_parity's cost at 248,320 tokens, bf16
 #   bash benchmarks/gpu/run_issue32.sh check           # GPU: versions, GPU, MoE kernels (a few seconds)
 #
 # ../shared does not travel to the GPU machine: `prepare` puts the bundles of ../shared/gpu/make_bundles.sh (a, b),
@@ -26,7 +27,7 @@
 # Dry run of this file on a CPU (stand-in engine, tiny model, 1 step per phase; a few minutes on 2 cores):
 #   DRY_RUN=1 PY=.venv/bin/python bash benchmarks/gpu/run_issue32.sh sampling   (also: moe)
 set -euo pipefail
-part=${1:?usage: run_issue32.sh prepare [DIR] | sampling | moe [DIR/d] | check}
+part=${1:?usage: run_issue32.sh prepare [DIR] | sampling | moe [DIR/d] | cost | check}
 OUT=${OUT:-/tmp/issue32-out}   # the device tool sets OUT; what is written there comes back
 SITE=${SITE:-/root/site}
 PY=${PY:-python3}
@@ -99,8 +100,16 @@ case "$part" in
       --experts-per-token 2 --moe-intermediate 384 --steps 3 --variants "${MOE_VARIANTS:-on,reload_skip_off}" --timeout ${VARIANT_TIMEOUT:-260} \
       --out "$OUT/issue32-moe.json" "${moe_small[@]}" 2>&1 | tee "$OUT/issue32-moe.log"
     ;;
+  cost)  # (c): sampling_parity's scoring cost at Qwen3.5's vocabulary (248,320) on the GPU, 2B- and 9B-class shapes
+    check
+    for shape in "--hidden 2048 --layers 24" "--hidden 4096 --layers 32"; do
+      # shellcheck disable=SC2086  # the shape is two options
+      "$PY" benchmarks/sampling_parity_cost.py $shape --rows 4 --prompt 512 --completion 512 --device cuda \
+        --dtype bfloat16 2>&1 | grep -v "falling back" | tee -a "$OUT/issue32-cost.log" || echo "cost $shape: failed"
+    done
+    ;;
   *)
-    echo "unknown part $part: prepare [DIR] | sampling | moe [DIR/d] | check" >&2
+    echo "unknown part $part: prepare [DIR] | sampling | moe [DIR/d] | cost | check" >&2
     exit 2
     ;;
 esac

@@ -148,7 +148,7 @@ def _score_chunk(
     trainer_temperature: float,
 ) -> Scored:
     rows = ids.numel()
-    nan = torch.full((rows,), math.nan, device=ids.device)
+    nan = torch.full((rows,), math.nan, dtype=torch.float32, device=ids.device)
     temperature = distribution.temperature
     if not _ban_alone(distribution, trainer_temperature):
         if distribution.biases or distribution.allowed is not None:
@@ -195,7 +195,7 @@ def _cuts(
         survivors_lse = _log_sub_exp(plain_lse, torch.logsumexp(banned_values, dim=-1))  # all but the banned
     else:
         survivors_lse = plain_lse
-    threshold = torch.full((raw.size(0),), -math.inf, device=raw.device)
+    threshold = torch.full((raw.size(0),), -math.inf, dtype=torch.float32, device=raw.device)
     if distribution.min_p > 0:
         threshold = torch.maximum(threshold, values[:, 0] + math.log(distribution.min_p))
     if 0 < distribution.top_k < raw.size(1):
@@ -257,7 +257,8 @@ def _processed_general(
     bias_ids = None
     if distribution.biases:
         bias_ids = torch.tensor([token for token, _ in distribution.biases], device=y.device)
-        bias = torch.tensor([value for _, value in distribution.biases], device=y.device) / distribution.temperature
+        bias = torch.tensor([value for _, value in distribution.biases], dtype=y.dtype, device=y.device)
+        bias = bias / distribution.temperature
         y.index_add_(1, bias_ids, bias.expand(y.size(0), -1))
     sampled = y.gather(1, ids)  # its value before bans and cuts: "always kept" restores it
     if distribution.banned:
@@ -276,7 +277,7 @@ def _processed_general(
 
 def _threshold(y: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
     """The smallest logit min_p, then top-k, then top-p keep, per row [rows, 1] (-inf: all)."""
-    threshold = torch.full((y.size(0), 1), -math.inf, device=y.device)
+    threshold = torch.full((y.size(0), 1), -math.inf, dtype=y.dtype, device=y.device)
     if distribution.min_p > 0:
         threshold = torch.maximum(threshold, y.amax(dim=-1, keepdim=True) + math.log(distribution.min_p))
     if 0 < distribution.top_k < y.size(1):
