@@ -35,16 +35,20 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: timings then wait for the GPU's work")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--chunk-elements", type=int, default=0, help="the fix's chunk size to try (0: its own)")
     args = parser.parse_args()
 
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     from trl.trainer.utils import selective_log_softmax
 
+    from trl_vlm_fixes.patches.sampling_parity import processed
     from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution
     from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions, score
     from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
 
+    if args.chunk_elements:
+        processed.CHUNK_ELEMENTS = args.chunk_elements
     torch.manual_seed(0)
     torch.set_default_dtype(getattr(torch, args.dtype))
     if args.device != "cpu":
@@ -95,7 +99,8 @@ def main() -> None:
     tokens = args.rows * keep
     print(
         f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
-        f"vocabulary {VOCABULARY:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms"
+        f"vocabulary {VOCABULARY:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms "
+        f"(the fix's chunks: {processed.CHUNK_ELEMENTS:,} elements)"
     )
     print(f"  {'settings':<28} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
     for name, distribution in cases.items():

@@ -127,12 +127,20 @@ def score(
 ) -> Scored:
     """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
     ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
-    parts = []
-    rows = max(1, CHUNK_ELEMENTS // positions.layer.vocabulary)
-    for start in range(0, len(positions), rows):
-        index = slice(start, min(start + rows, len(positions)))
-        parts.append(_score_chunk(positions, index, ids[index], distribution, trainer_temperature))
-    return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
+    if _ban_alone(distribution, trainer_temperature):
+        chunks = _chunks(positions, len(distribution.banned))
+        parts = [_ban(positions, index, ids[index], distribution) for index in chunks]
+        return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
+    general = distribution.biases or distribution.allowed is not None
+    cut = [
+        _processed_general(positions.rows(index), ids[index], distribution)
+        if general
+        else _cuts(positions, index, ids[index], distribution)
+        for index in _chunks(positions, positions.layer.vocabulary)
+    ]
+    processed, log_kept = (torch.cat(values) for values in zip(*cut, strict=True))
+    nan = torch.full_like(processed, math.nan)
+    return Scored(processed, log_kept, nan, nan.clone())
 
 
 def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -> bool:
@@ -140,37 +148,36 @@ def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -
     return plain and distribution.temperature == trainer_temperature
 
 
-def _score_chunk(
-    positions: Positions,
-    index: slice,
-    ids: torch.Tensor,
-    distribution: SamplingDistribution,
-    trainer_temperature: float,
-) -> Scored:
-    rows = ids.numel()
-    nan = torch.full((rows,), math.nan, dtype=torch.float32, device=ids.device)
+def _chunks(positions: Positions, width: int) -> list[slice]:
+    """The positions in chunks of at most ``CHUNK_ELEMENTS`` elements of the widest tensor made for a position:
+    the vocabulary for the cuts; for the ban alone, the hidden size (the sampled token's output row gathered)."""
+    count = len(positions)
+    rows = max(1, CHUNK_ELEMENTS // max(width, positions.hidden.size(-1)))
+    return [slice(start, min(start + rows, count)) for start in range(0, count, rows)]
+
+
+def _ban(positions: Positions, index: slice, ids: torch.Tensor, distribution: SamplingDistribution) -> Scored:
+    """The ban alone at TRL's temperature, from gathers: the sampled token's logit and the banned tokens' (no
+    [positions x vocabulary] tensor, so thousands of positions per chunk: few kernel launches and host syncs on a
+    GPU); full logits only for a position whose banned share may be most of the mass, a chunk of them at a time."""
     temperature = distribution.temperature
-    if not _ban_alone(distribution, trainer_temperature):
-        if distribution.biases or distribution.allowed is not None:
-            processed, log_kept = _processed_general(positions.rows(index), ids, distribution)
-        else:
-            processed, log_kept = _cuts(positions, index, ids, distribution)
-        return Scored(processed, log_kept, nan.clone(), nan.clone())
     sampled = positions.sampled(index, ids) / temperature
+    nan = torch.full_like(sampled, math.nan)
     if not distribution.banned:
-        return Scored(nan.clone(), nan.clone(), sampled, torch.full_like(sampled, -math.inf))
+        return Scored(nan, nan.clone(), sampled, torch.full_like(sampled, -math.inf))
     banned_ids = torch.tensor(distribution.banned, device=ids.device)
     banned = positions.columns(index, banned_ids) / temperature
     banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
     banned_lse = torch.logsumexp(banned, dim=-1)
     # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
     share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
-    processed, log_kept = nan.clone(), nan.clone()
+    processed, log_kept = nan, nan.clone()
     dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
-    if dominant.numel():
-        start = index.start or 0
-        exact = _processed_general(positions.rows(dominant + start), ids[dominant], distribution)
-        processed[dominant], log_kept[dominant] = exact
+    rows = max(1, CHUNK_ELEMENTS // positions.layer.vocabulary)
+    for first in range(0, dominant.numel(), rows):
+        chosen = dominant[first : first + rows]
+        exact = _processed_general(positions.rows(chosen + (index.start or 0)), ids[chosen], distribution)
+        processed[chosen], log_kept[chosen] = exact
     return Scored(processed, log_kept, sampled, banned_lse)
 
 
