@@ -32,7 +32,10 @@ import torch
 
 from .distribution import SamplingDistribution
 
-CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32): positions per chunk = this // vocabulary
+# logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens). Each chunk costs a few hundred
+# kernel launches and one host sync: on an H100 (9B-class shape, bf16, 2,048 scored tokens) truncation took 76.5 ms
+# in chunks of 2**24 and 19.2 ms in chunks of 2**26 (benchmarks/sampling_parity_cost.py, docs/gpu-results.md).
+CHUNK_ELEMENTS = 1 << 26
 TOP_P_CANDIDATES = (64, 2048)  # largest logits looked at for the top-p boundary, before a full sort
 DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens are summed directly
 
