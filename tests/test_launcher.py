@@ -191,15 +191,17 @@ def test_every_accelerate_rank_gets_the_fixes(tmp_path: Path) -> None:
     from conftest import free_port
 
     script = tmp_path / "rank.py"
+    # one file per rank: both ranks share one stdout pipe, where their lines can run into each other (seen in CI)
     script.write_text(
         "import json, os, sys\nimport trl.trainer.grpo_trainer\nplugin = sys.modules['trl_vlm_fixes']\n"
         "states = {k: v['state'] for k, v in plugin.status()['patches'].items()}\n"
-        "print(json.dumps({'rank': int(os.environ['RANK']), 'activation': plugin.ACTIVATION, 'states': states}))\n"
+        "report = {'rank': int(os.environ['RANK']), 'activation': plugin.ACTIVATION, 'states': states}\n"
+        "open(f\"rank{os.environ['RANK']}.json\", 'w').write(json.dumps(report))\n"
     )
     accelerate = [*accelerate_two_cpu_ranks(free_port()), str(script)]
     launched = run([*launcher(), "run", "--", *accelerate], env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    ranks = [json.loads(line) for line in launched.stdout.splitlines() if line.startswith('{"rank"')]
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert all(r["activation"] == "launcher" and r["states"]["mm_realign"] == "applied" for r in ranks)
 
