@@ -19,6 +19,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import trl_vlm_fixes
+from trl_vlm_fixes import log_once
 
 pytest_plugins = ["simulated_gpu"]  # its fixture: tests/simulated_gpu.py
 
@@ -43,10 +44,12 @@ def isolated_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def no_earlier_trainer() -> Iterator[None]:
-    """A trainer built by an earlier test in the same worker must not decide what a later test's status says
-    (CI ran test_reload_skip after a trainer that stepped reload_skip aside: order-dependent failure)."""
+    """A trainer built or a line logged by an earlier test in the same worker must not decide what a later test's
+    status or log says (CI ran test_reload_skip after a trainer that stepped reload_skip aside: order-dependent
+    failure; a once-per-process line said by an earlier test would be missing from a later one's log)."""
     yield
     trl_vlm_fixes.REGISTRY.forget_scopes()
+    log_once.forget()
 
 
 @pytest.fixture(scope="session")

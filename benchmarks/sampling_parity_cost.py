@@ -8,8 +8,9 @@ hidden states that predict each scored token and computes its log-prob under vLL
 (gathers) and TRL's own normaliser, a subtraction; with truncation the trainer's own min-p/top-k/top-p over the
 vocabulary, projecting chunks of positions through the output layer again (TRL 1.16's fused head never keeps the
 logits; TRL 1.9.1's are not kept either by the time the log-probs are known). That work is timed here against the
-pass itself (the model's forward over prompt + completion and TRL's ``selective_log_softmax``), on the CPU, with a
-random Qwen3.5 text stack of the given size (3:1 Gated-DeltaNet/full attention, the real vocabulary). Both scale
+pass itself (the model's forward over prompt + completion and TRL's ``selective_log_softmax``), on the CPU or a GPU
+(``--device cuda``: everything is made there, timings wait for the GPU), with a random Qwen3.5 text stack of the
+given size (3:1 Gated-DeltaNet/full attention, the real vocabulary). Both scale
 with the number of scored tokens; the pass also with the model's size, so a larger model makes the ratio smaller.
 """
 

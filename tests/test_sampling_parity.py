@@ -198,6 +198,36 @@ def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pyt
     assert torch.allclose(log_kept, exact, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["hidden states", "logits"])
+def test_a_chunked_ban_scores_the_dominant_positions_of_every_chunk(
+    monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """The ban alone in many chunks, with the positions where the banned token holds most of the mass in later
+    chunks: each gets its own row's logits (the chunk's offset), as in one pass and as vLLM's Sampler reports."""
+    from vllm import SamplingParams
+
+    states, layer = output_layer(997, 3.0)
+    with torch.no_grad():
+        layer.weight[7] = states[40:48].mean(0) * 4  # token 7 takes most of the mass at positions 40-47
+    logits = states @ layer.weight.T
+    bans = {"logit_bias": {7: -math.inf, 11: -math.inf}}
+    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **bans))
+    distribution = read_distribution(bans, None)
+    assert isinstance(distribution, SamplingDistribution)
+    ids = torch.tensor(tokens)
+    trl_logps = trl_log_probs(logits, ids)
+    positions = processed.Positions(states, layer, logits if source == "logits" else None)
+    dominant = torch.softmax(logits.double(), -1)[:, 7] > 0.5
+    assert dominant[40:48].any()
+    starts: list[int] = []
+    ban = processed._ban
+    monkeypatch.setattr(processed, "_ban", lambda p, index, *a: starts.append(index.start) or ban(p, index, *a))
+    monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 1000)  # a few positions per chunk, one full row at a time
+    shift, _ = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
+    assert starts[0] == 0 and max(start for start in starts if start <= 40) > 0  # 40-47: not the first chunk
+    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+
+
 def test_chunks_give_what_one_pass_gives_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
     states, layer = output_layer(997, 2.0)
     ids = torch.randint(0, 997, (64,))

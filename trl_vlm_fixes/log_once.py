@@ -16,3 +16,8 @@ def warn_once(key: Hashable, message: str, *args: Any, logger: Any = None, level
     if key not in _said:
         _said.add(key)
         (logger or _CORE).log(level, message, *args)
+
+
+def forget() -> None:
+    """Nothing said yet (the tests: each starts from a fresh process's state)."""
+    _said.clear()

@@ -32,9 +32,11 @@ import torch
 
 from .distribution import SamplingDistribution
 
-# logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens). Each chunk costs a few hundred
-# kernel launches and one host sync: on an H100 (9B-class shape, bf16, 2,048 scored tokens) truncation took 76.5 ms
-# in chunks of 2**24 and 19.2 ms in chunks of 2**26 (benchmarks/sampling_parity_cost.py, docs/gpu-results.md).
+# logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens; a row that needs the full sort
+# adds its values and int64 indices: 1.8-1.9 GiB at the peak, measured on the CPU). Each chunk costs a fixed ~2.4 ms
+# on an H100 (kernel launches and host syncs, by our reading; not profiled): at a 9B-class shape, bf16, 2,048 scored
+# tokens, truncation took 76.5 ms in chunks of 2**24 and 19.2 ms in chunks of 2**26 (benchmarks/
+# sampling_parity_cost.py, docs/gpu-results.md section 10).
 CHUNK_ELEMENTS = 1 << 26
 TOP_P_CANDIDATES = (64, 2048)  # largest logits looked at for the top-p boundary, before a full sort
 DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens are summed directly
@@ -131,7 +133,8 @@ def score(
     """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
     ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
     if _ban_alone(distribution, trainer_temperature):
-        chunks = _chunks(positions, len(distribution.banned))
+        # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
+        chunks = _chunks(positions, len(distribution.banned) + 3 * positions.hidden.size(-1))
         parts = [_ban(positions, index, ids[index], distribution) for index in chunks]
         return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
     general = distribution.biases or distribution.allowed is not None
@@ -152,10 +155,10 @@ def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -
 
 
 def _chunks(positions: Positions, width: int) -> list[slice]:
-    """The positions in chunks of at most ``CHUNK_ELEMENTS`` elements of the widest tensor made for a position:
-    the vocabulary for the cuts; for the ban alone, the hidden size (the sampled token's output row gathered)."""
+    """The positions in chunks of at most ``CHUNK_ELEMENTS`` elements, ``width`` of them made per position: the
+    vocabulary for the cuts; for the ban alone, far fewer (so thousands of positions per chunk)."""
     count = len(positions)
-    rows = max(1, CHUNK_ELEMENTS // max(width, positions.hidden.size(-1)))
+    rows = max(1, CHUNK_ELEMENTS // width)
     return [slice(start, min(start + rows, count)) for start in range(0, count, rows)]
 
 
