@@ -228,6 +228,44 @@ def test_a_chunked_ban_scores_the_dominant_positions_of_every_chunk(
     assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
 
 
+def test_trls_logits_are_read_in_place_never_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL 1.9.1's output layer gives [rows, positions, vocabulary] logits: the fix reads them where they are. A batch
+    of rows sliced to the scored positions is not one view (reshaping it copies all of them); one row's is."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import sampling_parity as fix
+
+    states, layer = output_layer(997, 3.0)
+    hidden = states.reshape(4, 16, -1)  # 4 rows of 16 positions
+    ids = torch.randint(0, 997, (4, 16))
+
+    class Backbone(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return SimpleNamespace(last_hidden_state=hidden)
+
+    head = torch.nn.Linear(hidden.size(-1), 997, bias=False)
+    head.weight.data = layer.weight
+    seen: list[tuple[int, int]] = []
+    positions_class = processed.Positions
+
+    def recording(hidden: torch.Tensor, layer: Any, logits: Any = None) -> Any:
+        positions = positions_class(hidden, layer, logits)
+        seen.append((positions.raw.untyped_storage().data_ptr(), positions.raw.numel()))
+        return positions
+
+    monkeypatch.setattr(processed, "Positions", recording)
+    distribution = SamplingDistribution(temperature=1.0, top_k=20, banned=(3, 9))
+    backbone = Backbone()
+    with fix._scored_positions(backbone, head, layer, 15, distribution, 1.0) as scored:
+        logits = head(backbone(input_ids=ids).last_hidden_state)
+    assert seen and all(pointer == logits.untyped_storage().data_ptr() for pointer, _ in seen)
+    assert sum(count for _, count in seen) == 4 * 15 * 997  # every scored position, each once
+    trl_logps = trl_log_probs(logits[:, :-1].reshape(-1, 997), ids[:, 1:].reshape(-1)).reshape(4, 15)
+    whole = processed.score(positions_class(hidden[:, :-1], layer), ids[:, 1:], distribution, 1.0).finish(trl_logps)
+    shift, _ = fix._finished(scored, trl_logps)
+    assert torch.allclose(shift.reshape(-1), whole[0], atol=1e-5)
+
+
 def test_chunks_give_what_one_pass_gives_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
     states, layer = output_layer(997, 2.0)
     ids = torch.randint(0, 997, (64,))

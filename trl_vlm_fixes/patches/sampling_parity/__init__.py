@@ -234,8 +234,9 @@ def _scored_positions(
     def on_head(module: Any, args: Any, output: Any) -> None:
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
             hidden, ids, kept = waiting.pop()
-            positions = Positions(hidden, layer, output[:, -(kept + 1) : -1, :])
-            scored.append(score(positions, ids, distribution, trainer_temperature))
+            for row in range(output.size(0)):  # one row's positions are a view of TRL's logits; several, a copy
+                positions = Positions(hidden[row], layer, output[row, -(kept + 1) : -1, :])
+                scored.append(score(positions, ids[row], distribution, trainer_temperature))
 
     handles = [backbone.register_forward_hook(on_backbone, with_kwargs=True)]
     handles.append(head.register_forward_hook(on_head))
