@@ -171,27 +171,35 @@ def test_a_default_dtype_set_by_the_user_changes_nothing(
         assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
 
 
+def dominant_ban_case(vocabulary: int, dominant: slice) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, Any]:
+    """Token 7 holds most of the mass at the ``dominant`` positions and is banned (with 11): (hidden states, output
+    layer, logits, the tokens vLLM's Sampler sampled, its processed log-probs)."""
+    from vllm import SamplingParams
+
+    states, layer = output_layer(vocabulary, 3.0)
+    with torch.no_grad():
+        layer.weight[7] = states[dominant].mean(0) * 4
+    logits = states @ layer.weight.T
+    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **BANS))
+    return states, layer, logits, torch.tensor(tokens), torch.tensor(vllm_logprobs)
+
+
+BANS = {"logit_bias": {7: -math.inf, 11: -math.inf}}
+
+
 def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ban alone: gathers and TRL's own normaliser; full logits only for the positions whose banned share may be
     most of the mass (the subtraction would lose float32's digits there), and then exact."""
-    from vllm import SamplingParams
-
-    states, layer = output_layer(5000, 3.0)
-    with torch.no_grad():
-        layer.weight[7] = states[:8].mean(0) * 4  # token 7 takes most of the mass at the first positions
-    logits = states @ layer.weight.T
+    states, layer, logits, ids, vllm_logprobs = dominant_ban_case(5000, slice(0, 8))  # the first positions
     projected: list[int] = []
     full = layer.logits
     monkeypatch.setattr(layer, "logits", lambda hidden: projected.append(hidden.size(0)) or full(hidden))
-    bans = {"logit_bias": {7: -math.inf, 11: -math.inf}}
-    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **bans))
-    distribution = read_distribution(bans, None)
+    distribution = read_distribution(BANS, None)
     assert isinstance(distribution, SamplingDistribution)
-    ids = torch.tensor(tokens)
     trl_logps = trl_log_probs(logits, ids)
     positions = processed.Positions(states, layer)
     shift, log_kept = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
-    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+    assert torch.allclose(trl_logps + shift, vllm_logprobs, atol=1e-5, rtol=0)
     banned_share = torch.softmax(logits.double(), -1)[:, [7, 11]].sum(-1)
     assert 0 < sum(projected) < 64 and sum(projected) >= int((banned_share > 0.5).sum())
     exact = torch.log1p(-banned_share).float()  # in float64: at a share of 0.99999 float32 has no digits left
@@ -204,17 +212,9 @@ def test_a_chunked_ban_scores_the_dominant_positions_of_every_chunk(
 ) -> None:
     """The ban alone in many chunks, with the positions where the banned token holds most of the mass in later
     chunks: each gets its own row's logits (the chunk's offset), as in one pass and as vLLM's Sampler reports."""
-    from vllm import SamplingParams
-
-    states, layer = output_layer(997, 3.0)
-    with torch.no_grad():
-        layer.weight[7] = states[40:48].mean(0) * 4  # token 7 takes most of the mass at positions 40-47
-    logits = states @ layer.weight.T
-    bans = {"logit_bias": {7: -math.inf, 11: -math.inf}}
-    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **bans))
-    distribution = read_distribution(bans, None)
+    states, layer, logits, ids, vllm_logprobs = dominant_ban_case(997, slice(40, 48))
+    distribution = read_distribution(BANS, None)
     assert isinstance(distribution, SamplingDistribution)
-    ids = torch.tensor(tokens)
     trl_logps = trl_log_probs(logits, ids)
     positions = processed.Positions(states, layer, logits if source == "logits" else None)
     dominant = torch.softmax(logits.double(), -1)[:, 7] > 0.5
@@ -225,7 +225,7 @@ def test_a_chunked_ban_scores_the_dominant_positions_of_every_chunk(
     monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 1000)  # a few positions per chunk, one full row at a time
     shift, _ = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
     assert starts[0] == 0 and max(start for start in starts if start <= 40) > 0  # 40-47: not the first chunk
-    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+    assert torch.allclose(trl_logps + shift, vllm_logprobs, atol=1e-5, rtol=0)
 
 
 def test_trls_logits_are_read_in_place_never_copied(monkeypatch: pytest.MonkeyPatch) -> None:
