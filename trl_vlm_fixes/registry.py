@@ -35,6 +35,8 @@ __all__ = [
     "on_trainers",
 ]
 LOGGER = fix_logger(__name__)
+# the states whose wrappers are in place: stepped-aside is the last trainer's report, the wrappers act all the same
+WRAPPED_STATES = ("applied", "stepped-aside")
 
 Choice = bool | Mapping[str, Any]
 

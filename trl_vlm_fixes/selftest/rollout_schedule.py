@@ -59,9 +59,9 @@ class TrainerLoop:
 
         import trl_vlm_fixes
         from trl_vlm_fixes.patches.reload_skip import rollout_scope
+        from trl_vlm_fixes.registry import WRAPPED_STATES
 
-        # wrapped: "stepped-aside" is the last trainer's scope (a report), the wrappers act all the same
-        wrapped = trl_vlm_fixes.REGISTRY.fix_state("reload_skip")[0] in ("applied", "stepped-aside")
+        wrapped = trl_vlm_fixes.REGISTRY.fix_state("reload_skip")[0] in WRAPPED_STATES
         with rollout_scope(self.generation) if wrapped else nullcontext():
             self.trl_generate()
             for _ in range(turns - 1):

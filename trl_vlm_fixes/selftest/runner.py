@@ -71,6 +71,7 @@ def off_then_on(
     judge_fix: Callable[[Any], tuple[bool | None, str]],
 ) -> CheckResult:
     from .. import REGISTRY, apply, revert
+    from ..registry import WRAPPED_STATES
 
     started = time.perf_counter()
     revert()
@@ -81,7 +82,7 @@ def off_then_on(
     state, _ = REGISTRY.fix_state(name)
     fix_works: bool | None = None
     fix_detail = f"fix {state}"
-    if state in ("applied", "stepped-aside"):  # stepped aside for the last trainer built, not for this measurement
+    if state in WRAPPED_STATES:  # stepped aside for the last trainer built, not for this measurement
         fix_works, fix_detail = judge_fix(measure())
     elif state == "not-needed":
         fix_works, fix_detail = not bug_present, "upstream solved it; the fix steps aside"

@@ -134,7 +134,7 @@ def score(
     ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
     if _ban_alone(distribution, trainer_temperature):
         # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
-        chunks = _chunks(positions, len(distribution.banned) + 3 * positions.hidden.size(-1))
+        chunks = _chunks(len(positions), len(distribution.banned) + 3 * positions.hidden.size(-1))
         parts = [_ban(positions, index, ids[index], distribution) for index in chunks]
         return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
     general = distribution.biases or distribution.allowed is not None
@@ -142,7 +142,7 @@ def score(
         _processed_general(positions.rows(index), ids[index], distribution)
         if general
         else _cuts(positions, index, ids[index], distribution)
-        for index in _chunks(positions, positions.layer.vocabulary)
+        for index in _chunks(len(positions), positions.layer.vocabulary)
     ]
     processed, log_kept = (torch.cat(values) for values in zip(*cut, strict=True))
     nan = torch.full_like(processed, math.nan)
@@ -154,10 +154,9 @@ def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -
     return plain and distribution.temperature == trainer_temperature
 
 
-def _chunks(positions: Positions, width: int) -> list[slice]:
-    """The positions in chunks of at most ``CHUNK_ELEMENTS`` elements, ``width`` of them made per position: the
-    vocabulary for the cuts; for the ban alone, far fewer (so thousands of positions per chunk)."""
-    count = len(positions)
+def _chunks(count: int, width: int) -> list[slice]:
+    """``count`` positions in chunks of at most ``CHUNK_ELEMENTS`` elements, ``width`` of them made per position: the
+    vocabulary for the cuts and the full rows; for the ban alone, far fewer (so thousands of positions per chunk)."""
     rows = max(1, CHUNK_ELEMENTS // width)
     return [slice(start, min(start + rows, count)) for start in range(0, count, rows)]
 
@@ -179,9 +178,8 @@ def _ban(positions: Positions, index: slice, ids: torch.Tensor, distribution: Sa
     share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
     processed, log_kept = nan, nan.clone()
     dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
-    rows = max(1, CHUNK_ELEMENTS // positions.layer.vocabulary)
-    for first in range(0, dominant.numel(), rows):
-        chosen = dominant[first : first + rows]
+    for part in _chunks(dominant.numel(), positions.layer.vocabulary):
+        chosen = dominant[part]
         exact = _processed_general(positions.rows(chosen + (index.start or 0)), ids[chosen], distribution)
         processed[chosen], log_kept[chosen] = exact
     return Scored(processed, log_kept, sampled, banned_lse)
