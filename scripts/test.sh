@@ -68,7 +68,7 @@ rm -rf .venv-wheel-check && python3 -m venv .venv-wheel-check
 # tests run from a folder without the package in it, so `import trl_vlm_fixes` is the installed wheel
 stage=$root/.test-stage
 rm -rf "$stage" && mkdir -p "$stage"
-for item in tests benchmarks examples conftest.py pyproject.toml README.md ARCHITECTURE.md; do ln -s "$root/$item" "$stage/$item"; done
+for item in tests benchmarks examples conftest.py pyproject.toml README.md ARCHITECTURE.md CHANGELOG.md docs; do ln -s "$root/$item" "$stage/$item"; done
 run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; the rest go to pytest
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   (cd "$stage" && "$1/bin/python" -c "import trl_vlm_fixes, sys; sys.exit(trl_vlm_fixes.__file__.startswith('$root/trl_vlm_fixes'))")
