@@ -430,6 +430,9 @@ def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touch
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(vllm_generation, "LLM", SlowEngine, raising=False)
+    monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")  # a pinned mode: an argument both engines must get
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
     engines: list[Any] = []
     errors: list[BaseException] = []
 
@@ -449,8 +452,9 @@ def test_two_engines_built_at_once_each_get_the_arguments_and_no_global_is_touch
         e.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"} for e in engines
     )
     assert globals_seen == [SlowEngine, SlowEngine]  # nobody swapped the module global, not even for a moment
+    monkeypatch.delenv("TRL_VLM_FIXES_CUDAGRAPH_MODE")
     trl_vlm_fixes.revert()
-    trl_vlm_fixes.apply()
+    trl_vlm_fixes.apply()  # the settings as the environment gives them again
     assert vllm_generation.__dict__.get("LLM") is SlowEngine
 
 
@@ -530,7 +534,7 @@ build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tin
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "built the colocated vLLM engine" in line]
     assert len(lines) == 1
-    assert "cudagraph_mode=PIECEWISE (" in lines[0] and "outside CUDA graphs" in lines[0]
+    assert "cudagraph_mode=vLLM's own (protection armed: PIECEWISE after an engine hang" in lines[0]
     assert ("gdn_prefill_backend=triton (" in lines[0]) == gdn_prefill_acts()
 
 
@@ -559,9 +563,9 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
         llm_module.LLM(model=str(tiny_model_dir))  # a user's own engine, in the same process
     backend = "triton" if gdn_prefill_acts() else None
     assert [kwargs.get("gdn_prefill_backend") for kwargs in received] == [backend, backend, None]
-    assert [kwargs.get("compilation_config") for kwargs in received] == [{"cudagraph_mode": "PIECEWISE"}] * 2 + [None]
+    assert [kwargs.get("compilation_config") for kwargs in received] == [None] * 3  # vLLM's own mode: no hang known
     lines = [r.getMessage() for r in caplog.records if "built the" in r.getMessage()]
-    server_line = "trl_vlm_fixes: trl vllm-serve built the vLLM engine with cudagraph_mode=PIECEWISE"
+    server_line = "trl_vlm_fixes: trl vllm-serve built the vLLM engine with cudagraph_mode=vLLM's own (protection armed"
     assert len(lines) == 2 and all(line.startswith(server_line) for line in lines)
 
 

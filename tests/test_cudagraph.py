@@ -1,4 +1,6 @@
-"""cudagraph: the keyword arguments TRL's colocated engine constructor receives, and the real vLLM config they build."""
+"""cudagraph: the keyword arguments TRL's colocated engine constructor receives, and the real vLLM config they build:
+vLLM's own mode in a fresh output_dir, PIECEWISE after the watchdog's report of an engine hang there, NONE after a
+repeated one (the restarts themselves: tests/test_resume.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,13 @@ import logging
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import run_python
 
+from trl_vlm_fixes import protection
 from trl_vlm_fixes.patches.cudagraph import (
     VALID_MODES,
     CudagraphModeError,
@@ -22,14 +26,43 @@ from trl_vlm_fixes.patches.cudagraph import (
 from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
 
-def engine_kwargs(make_generation: Callable[..., Any]) -> dict[str, Any]:
-    return dict(make_generation().llm.init_kwargs)
+def engine_kwargs(make_generation: Callable[..., Any], output_dir: Path | None = None) -> dict[str, Any]:
+    with protection.building_in(output_dir):
+        return dict(make_generation().llm.init_kwargs)
 
 
-def test_default_keeps_gated_deltanet_kernels_out_of_graphs(make_generation: Callable[..., Any]) -> None:
-    kwargs = engine_kwargs(make_generation)
-    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
-    assert "enforce_eager" not in kwargs
+def hang_reports(base: Path, level: str) -> Path:
+    """An output_dir as the watchdog leaves it: no report ("fresh"), its report of an engine hang at step 3
+    ("hang"), or of a second engine hang at step 3 after a restart there ("repeated"); written by its own writer."""
+    from trl_vlm_fixes.patches.watchdog import escalation, report
+
+    folder = base / level
+    folder.mkdir()
+    hung = report.HangContext("LLM.generate", 0, 3, str(folder), "-", "-", report.ENGINE_STEP)
+    if level != "fresh":
+        escalation.restarted_after({folder: report.hang_report(10, hung)} if level == "repeated" else {})
+        try:
+            (folder / "trl_vlm_fixes_hang_rank0.txt").write_text(report.hang_report(10, hung))
+        finally:
+            escalation.restarted_after({})
+    return folder
+
+
+def test_a_fresh_engine_gets_vllms_own_mode_with_the_protection_armed(
+    make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """No hang reported: nothing is added to the compilation config (vLLM's default graphs, GDN decode captured: the
+    fastest decode); the engine line says what vLLM built and that the protection is armed; status says why."""
+    import trl_vlm_fixes
+
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        kwargs = engine_kwargs(make_generation, hang_reports(tmp_path, "fresh"))
+    assert "compilation_config" not in kwargs and "enforce_eager" not in kwargs
+    line = _engine_line(caplog)
+    assert "with cudagraph_mode=vLLM's own (protection armed: PIECEWISE after an engine hang" in line
+    assert "cudagraph_mode=FULL_AND_PIECEWISE" in line.split("vLLM built: ")[1]  # read back from the engine
+    detail = trl_vlm_fixes.status()["patches"]["cudagraph"]["detail"]
+    assert "engine built with cudagraph_mode=FULL_AND_PIECEWISE" in detail and "no engine hang reported in" in detail
 
 
 def test_switch_off_restores_upstream_arguments(make_generation: Callable[..., Any], one_fix_off: Any) -> None:
@@ -87,11 +120,13 @@ def test_merge_reaches_the_engine_constructor() -> None:
 
     existing = {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}
     kwargs: dict[str, Any] = {"model": "m", "compilation_config": existing}
-    build = EngineBuild("test", model_config=None)
+    hang = protection.Verdict(protection.Level.ENGINE_HANG, "a test's hang")
+    build = EngineBuild("test", model_config=None, protection=hang)
     contribute(kwargs, build)
     assert kwargs["compilation_config"] == {**existing, "cudagraph_mode": "PIECEWISE"}
     assert existing == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4]}  # the caller's dict is not mutated
-    assert build.changes and build.changes[0].startswith("cudagraph_mode=PIECEWISE")
+    assert build.changes and build.changes[0].startswith("cudagraph_mode=PIECEWISE (every Gated-DeltaNet kernel")
+    assert build.protected_by == ["cudagraph"] and build.why["cudagraph"] == "protected: a test's hang"
 
 
 def test_unknown_config_type_is_a_clear_error() -> None:
@@ -99,18 +134,24 @@ def test_unknown_config_type_is_a_clear_error() -> None:
         merge_compilation_config("fast", "NONE")
 
 
-def test_mode_is_logged_once_per_engine(make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_mode_is_logged_once_per_engine(
+    make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
-        make_generation()
+        engine_kwargs(make_generation, hang_reports(tmp_path, "hang"))
     lines = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
-    assert len(lines) == 1 and "cudagraph_mode=PIECEWISE" in lines[0].getMessage()
+    assert len(lines) == 1 and "cudagraph_mode=PIECEWISE (" in lines[0].getMessage()
     assert "Gated-DeltaNet kernel outside CUDA graphs" in lines[0].getMessage()
+    assert "(protected: the engine made no progress at step 3 (" in lines[0].getMessage()  # the report it read
 
 
-def test_engine_is_built_without_rebinding_the_module_global(make_generation: Callable[..., Any]) -> None:
+def test_engine_is_built_without_rebinding_the_module_global(
+    make_generation: Callable[..., Any], with_setting: Callable[[str, str], None]
+) -> None:
     """While TRL's LLM(...) runs, the module's LLM is still the engine class: the arguments came another way."""
     import trl.generation.vllm_generation as vllm_generation
 
+    with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
     seen: list[Any] = []
 
     class WatchingEngine(StandInLLM):
@@ -205,10 +246,10 @@ def test_experimental_online_dpo_engine_gets_the_mode(
     assert online_dpo.LLM is StandInLLM
 
 
-def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
-    vllm_config: Any, make_generation: Callable[..., Any]
+def test_the_mode_after_a_hang_splits_every_gated_deltanet_kernel_out_of_the_graphs(
+    vllm_config: Any, make_generation: Callable[..., Any], tmp_path: Path
 ) -> None:
-    """From vLLM 0.25.1's own code: the engine's default mode is piecewise, vLLM's compilation config for it splits the
+    """From vLLM 0.25.1's own code: the engine's mode after a hang is piecewise, vLLM's compilation config splits the
     captured graph at ``vllm::qwen_gdn_attention_core``, and that op is where Qwen3.5's GDN layer runs all its kernels
     (conv1d and recurrent attention, prefill and decode). The GPU probe (docs/gpu-results.md, section 9) shows it."""
     import ast
@@ -217,7 +258,7 @@ def test_default_mode_splits_every_gated_deltanet_kernel_out_of_the_graphs(
 
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
-    requested = engine_kwargs(make_generation)["compilation_config"]
+    requested = engine_kwargs(make_generation, hang_reports(tmp_path, "hang"))["compilation_config"]
     config = vllm_config.CompilationConfig(mode=vllm_config.CompilationMode.VLLM_COMPILE, **requested)
     config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
     assert config.cudagraph_mode == vllm_config.CUDAGraphMode.PIECEWISE
@@ -263,11 +304,13 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_the_engine_line_says_what_vllm_built_and_warns_where_a_setting_changes_the_mode(
     make_generation: Callable[..., Any],
     monkeypatch: pytest.MonkeyPatch,
+    with_setting: Callable[[str, str], None],
     caplog: pytest.LogCaptureFixture,
     setting: str,
 ) -> None:
     """The mode is read back from the built engine's ``vllm_config`` (not what was asked): ``enforce_eager`` makes it
     NONE; vLLM's breakable graphs keep PIECEWISE's name while capturing the Gated-DeltaNet op (see below)."""
+    with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
     if setting.startswith("VLLM_"):
         monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
@@ -315,3 +358,133 @@ def test_the_plugin_reads_whether_vllms_gated_deltanet_op_breaks_its_graphs() ->
         pytest.skip("this vLLM has no breakable CUDA graphs or names its ops otherwise")
     assert attention is True
     assert gated_deltanet_op_breaks_graphs() is gated_deltanet
+
+
+# --- the protection, graded by the hang reports in output_dir ----------------------------------------------------
+
+# The rule (README): unset, vLLM's own mode until a hang; a pinned mode is the least protection the engine gets, and a
+# hang can only raise it: PIECEWISE after an engine hang, NONE after a second at one step.
+GRADED = {
+    None: {"fresh": None, "hang": "PIECEWISE", "repeated": "NONE"},
+    "PIECEWISE": {"fresh": "PIECEWISE", "hang": "PIECEWISE", "repeated": "NONE"},
+    "NONE": {"fresh": "NONE", "hang": "NONE", "repeated": "NONE"},
+    "FULL_AND_PIECEWISE": {"fresh": "FULL_AND_PIECEWISE", "hang": "PIECEWISE", "repeated": "NONE"},
+}
+
+
+@pytest.mark.parametrize("pinned", list(GRADED))
+def test_the_engine_gets_the_protection_its_output_dir_asks_for(
+    make_generation: Callable[..., Any], with_setting: Callable[[str, str], None], tmp_path: Path, pinned: str | None
+) -> None:
+    if pinned is not None:
+        with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", pinned)
+    built = {}
+    for level in ("fresh", "hang", "repeated"):
+        config = engine_kwargs(make_generation, hang_reports(tmp_path, level)).get("compilation_config")
+        built[level] = None if config is None else config["cudagraph_mode"]
+    assert built == GRADED[pinned]
+
+
+@pytest.mark.parametrize("switch", ["TRL_VLM_FIXES_CUDAGRAPH", "TRL_VLM_FIXES"])
+def test_switched_off_the_engine_is_upstream_after_any_hang(
+    make_generation: Callable[..., Any], one_fix_off: Callable[[str], None], tmp_path: Path, switch: str
+) -> None:
+    """Upstream (the fix off, or every fix) the restart after a repeated engine hang runs the same graphs again."""
+    repeated = hang_reports(tmp_path, "repeated")
+    assert engine_kwargs(make_generation, repeated)["compilation_config"] == {"cudagraph_mode": "NONE"}  # fix on
+    if switch == "TRL_VLM_FIXES":
+        import trl_vlm_fixes
+
+        trl_vlm_fixes.revert()
+        try:
+            kwargs = engine_kwargs(make_generation, repeated)
+        finally:
+            trl_vlm_fixes.apply()
+    else:
+        one_fix_off("cudagraph")
+        kwargs = engine_kwargs(make_generation, repeated)
+    assert "compilation_config" not in kwargs
+
+
+def test_a_model_without_gated_deltanet_layers_is_untouched_after_a_hang(
+    make_text_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    repeated = hang_reports(tmp_path, "repeated")
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"), protection.building_in(repeated):
+        kwargs = dict(make_text_generation().llm.init_kwargs)
+    assert "compilation_config" not in kwargs and "gdn_prefill_backend" not in kwargs
+    [line] = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    assert "exactly as upstream" in line and "no engine fix acts on this model" in line
+
+
+def test_a_trainer_built_after_a_hang_says_which_mode_and_why(
+    make_trainer: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real GRPOTrainer built where the watchdog left its report of an engine hang: its engine is built PIECEWISE
+    (the trainer's own output_dir is read while it builds), and the engine line, the trainer-start line and status
+    name the mode and the report."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    import trl_vlm_fixes
+    from trl_vlm_fixes import trainer_start
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    monkeypatch.setattr(trainer_start, "_announced", False)
+    settings = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": True}
+    fresh = make_trainer("grpo", **settings)
+    assert "compilation_config" not in fresh.vllm_generation.llm.init_kwargs
+    output_dir = Path(fresh.args.output_dir)
+    report = hang_reports(output_dir.parent, "hang") / "trl_vlm_fixes_hang_rank0.txt"
+    report.rename(output_dir / report.name)
+    monkeypatch.setattr(trainer_start, "_announced", False)
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        restarted = make_trainer("grpo", **settings)
+    assert restarted.vllm_generation.llm.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    why = f"the engine made no progress at step 3 ({output_dir / report.name}: ENGINE_HANG)"
+    start = [r.getMessage() for r in caplog.records if "at trainer start" in r.getMessage()][-1]
+    assert f"cudagraph=applied (cudagraph_mode=PIECEWISE (protected: {why}))" in start
+    engine_line = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()][-1]
+    assert f"(protected: {why})" in engine_line
+    assert why in trl_vlm_fixes.status()["patches"]["cudagraph"]["detail"]
+
+
+def test_the_server_engine_keeps_vllms_mode_unless_pinned(
+    tiny_model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    with_setting: Callable[[str, str], None],
+    tmp_path: Path,
+) -> None:
+    """`trl vllm-serve` (TRL 1.9.1, under the launcher): the server knows no trainer's output_dir, so its engine gets
+    vLLM's own mode with the protection armed, or the pinned mode (what the trainer's report on a server generate
+    says to restart it with, test_watchdog.py)."""
+    import types
+
+    from helpers import server_engine_build_problem_in_llm_worker
+
+    pytest.importorskip("vllm")
+    if not server_engine_build_problem_in_llm_worker():
+        pytest.skip("this TRL's vllm-serve execs vLLM's own server: server_flags advises instead")
+    import trl.scripts.vllm_serve as vllm_serve
+    import vllm.entrypoints.llm as llm_module
+
+    worker = "def llm_worker(model):\n    from vllm import LLM\n    LLM(model=model)\n"
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
+    monkeypatch.chdir(hang_reports(tmp_path, "repeated"))  # a report where the server runs: not the trainer's
+
+    def served() -> dict[str, Any]:
+        layer = vars(llm_module.LLM)["__init__"]
+        while type(layer.__wrapped__) is not types.FunctionType:  # below every fix's wrapper
+            layer = layer.__wrapped__
+        received: list[dict[str, Any]] = []
+        monkeypatch.setattr(layer, "__wrapped__", lambda self, *args, **kwargs: received.append(kwargs))
+        namespace["llm_worker"](str(tiny_model_dir))
+        return received[-1]
+
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        assert "compilation_config" not in served()
+    [line] = [r.getMessage() for r in caplog.records if "trl vllm-serve built the vLLM engine" in r.getMessage()]
+    assert "cudagraph_mode=vLLM's own (protection armed" in line
+    with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
+    assert served()["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}

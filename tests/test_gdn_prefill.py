@@ -27,10 +27,24 @@ def old_kernel(monkeypatch: pytest.MonkeyPatch, reapply: Callable[[], None]) -> 
 
 
 @pytest.mark.usefixtures("old_kernel")
-def test_gdn_model_engine_gets_triton_prefill_and_no_graphs(make_generation: Any) -> None:
+def test_gdn_model_engine_gets_triton_prefill_and_vllms_own_graphs(make_generation: Any) -> None:
     kwargs = make_generation().llm.init_kwargs
     assert kwargs["gdn_prefill_backend"] == "triton"
-    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert "compilation_config" not in kwargs  # cudagraph: vLLM's own mode until a hang is reported
+
+
+@pytest.mark.usefixtures("old_kernel")
+def test_a_selected_flashinfer_prefill_gives_way_to_triton_after_a_repeated_hang_only(
+    make_generation: Any, with_setting: Callable[[str, str], None], tmp_path: Any
+) -> None:
+    """The protection gdn_prefill declares: Triton after a hang repeated at one step; after a single engine hang the
+    selected backend is kept (cudagraph's PIECEWISE is that restart's protection)."""
+    from test_cudagraph import engine_kwargs, hang_reports
+
+    with_setting("TRL_VLM_FIXES_GDN_PREFILL_BACKEND", "flashinfer")
+    built = {level: engine_kwargs(make_generation, hang_reports(tmp_path, level)) for level in ("hang", "repeated")}
+    assert built["hang"]["gdn_prefill_backend"] == "flashinfer"
+    assert built["repeated"]["gdn_prefill_backend"] == "triton"
 
 
 @pytest.mark.usefixtures("old_kernel")
@@ -74,7 +88,7 @@ def test_vllm_resolves_the_backend_the_engine_gets(
 def test_switch_off_leaves_the_backend_to_vllm(make_generation: Any, one_fix_off: Any) -> None:
     one_fix_off("gdn_prefill")
     kwargs = make_generation().llm.init_kwargs
-    assert "gdn_prefill_backend" not in kwargs and kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert "gdn_prefill_backend" not in kwargs and "compilation_config" not in kwargs
 
 
 def test_real_vllm_engine_args_take_both_backends() -> None:

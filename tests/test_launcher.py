@@ -303,12 +303,12 @@ def test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started(
     assert len(engines) == workers
     for engine in engines:
         assert engine["kwargs"]["gdn_prefill_backend"] == "triton"
-        assert engine["kwargs"]["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+        assert "compilation_config" not in engine["kwargs"]  # vLLM's own mode: the server knows of no hang
         assert engine["kwargs"]["worker_extension_cls"] == "trl.scripts.vllm_serve.WeightSyncWorkerExtension"
         assert engine["states"] == {"cudagraph": "applied", "gdn_prefill": "applied"}
     lines = [line for line in launched.stderr.splitlines() if line.startswith("trl_vlm_fixes: trl vllm-serve built")]
     assert len(lines) == workers and all(
-        "built the vLLM engine with cudagraph_mode=PIECEWISE" in line for line in lines
+        "built the vLLM engine with cudagraph_mode=vLLM's own (protection armed" in line for line in lines
     )
 
 
@@ -379,10 +379,11 @@ def test_trl_vllm_serve_that_execs_vllms_server_says_which_flags_to_pass(tiny_mo
     ],
 )
 def test_server_advice_reads_the_compilation_config_as_vllm_does(given: list[str], still_advised: bool) -> None:
-    from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, flags_to_pass
+    from trl_vlm_fixes.server_flags import TRL_SERVER_COMMAND, TRL_SERVER_FLAG, flags_to_pass, protection_flag
 
     argv = ["python", *TRL_SERVER_COMMAND, "model", TRL_SERVER_FLAG, '{"backend": "nccl"}', *given]
-    advised = [flag for flag in flags_to_pass(argv) if flag.startswith("--compilation-config")]
+    offered = [*flags_to_pass(argv), protection_flag(argv)]
+    advised = [flag for flag in offered if flag and flag.startswith("--compilation-config")]
     assert bool(advised) == still_advised
 
 

@@ -1,6 +1,6 @@
 """watchdog/resume: a restart after a watchdog exit resumes from the last checkpoint that can resume, on the resumed
-weights; an engine hang repeated at one step is named and the restart's engine gets the protected settings; a healthy
-run (a slow first weight push, a slow checkpoint save under tensor parallelism) is never ended.
+weights; the restart after an engine hang builds its engine PIECEWISE, NONE after a second hang at that step; a
+healthy run (a slow first weight push, a slow checkpoint save under tensor parallelism) is never ended nor escalated.
 
 Upstream (``TRL_VLM_FIXES_WATCHDOG_RESUME=0``, or the fixes reverted) a restarted job starts again from step 0:
 ``trl grpo`` calls ``train()`` with no checkpoint and transformers ignores the field of the training arguments.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import environment_without_switches, upstream_reloads_from_disk
+from helpers import environment_without_switches, gdn_prefill_acts, upstream_reloads_from_disk
 
 PROGRAM = Path(__file__).parent / "programs" / "resume_ranks.py"
 LIMIT = "10"  # the smallest watchdog limit the switch accepts
@@ -73,6 +73,14 @@ def engine_arguments(base: Path, attempt: int) -> tuple[Any, Any]:
     return start["compilation_config"], start["gdn_prefill_backend"]
 
 
+def built_mode(base: Path, attempt: int) -> str:
+    """The CUDA-graph mode the engine of that attempt reports (its ``vllm_config``, as vLLM's would)."""
+    return str(attempts(base / "records", 0)[attempt][0]["built_mode"])
+
+
+TRITON = "triton" if gdn_prefill_acts() else None
+
+
 @pytest.mark.slow
 def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_dir: Path, tmp_path: Path) -> None:
     result, out, records = run_ranks(tiny_model_dir, tmp_path, OFF)
@@ -107,36 +115,63 @@ def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(tiny_model
 
 
 @pytest.mark.slow
-def test_an_engine_hang_repeated_at_one_step_is_named_and_the_restart_is_protected(
+def test_the_restart_after_an_engine_hang_is_piecewise_and_after_a_second_at_that_step_none(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The same batch replayed hangs the engine again: the report says so, and the engine the restart builds receives
-    cudagraph_mode=NONE and Triton GDN prefill, though the user asked for the fast settings; after a single hang it
-    receives what the user asked for."""
+    """A fresh run keeps vLLM's own CUDA graphs (no compilation_config of the plugin's); its engine wedges at step 3
+    (exit 75); the restart in that output_dir resumes there with a PIECEWISE engine, which wedges again at step 3 on
+    the same batch: the report names the repeated hang, and the next restart's engine gets NONE and Triton GDN
+    prefill, though the user pinned the fast settings (a pin is the least protection, never the most)."""
     from trl_vlm_fixes.patches.watchdog.resume import REPEATED, unused_reports
 
-    fast = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "flashinfer"}
     first = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})
     assert first.returncode == 75, first.stderr[-3000:]
+    assert engine_arguments(tmp_path, 0) == (None, TRITON) and built_mode(tmp_path, 0) == "FULL_AND_PIECEWISE"
     report = (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.txt").read_text()
     assert "watch: engine-step" in report and REPEATED not in report
-
-    once = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})  # after one hang: what the user asked for
-    assert once.returncode == 0, once.stderr[-3000:]
-    assert engine_arguments(tmp_path, 1) == ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, "flashinfer")
+    assert "protection: this engine was built with NO_HANG" in report
 
     again = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})  # resumes at step 3, hangs there again
     assert again.returncode == 75, again.stderr[-3000:]
-    assert [e["step"] for e in attempts(tmp_path / "records", 0)[2] if e["event"] == "generate"] == []
+    assert engine_arguments(tmp_path, 1) == ({"cudagraph_mode": "PIECEWISE"}, TRITON)
+    assert built_mode(tmp_path, 1) == "PIECEWISE"
+    read = f"the engine made no progress at step 3 ({tmp_path / 'out' / 'trl_vlm_fixes_hang_rank0.txt'}: ENGINE_HANG)"
+    assert again.stderr.count(f"{read}: the engine is built with the protection for it.") == 1  # the report it read
+    assert [e["step"] for e in attempts(tmp_path / "records", 0)[1] if e["event"] == "generate"] == []
     ((_, report),) = unused_reports(tmp_path / "out").items()
     assert "at step 3." in report.splitlines()[0]
     assert f"{REPEATED} the run restarted after an engine hang at step 3" in report
+    assert "protection: this engine was built with ENGINE_HANG" in report
 
+    fast = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "flashinfer"}
     restart = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})
     assert restart.returncode == 0, restart.stderr[-3000:]
-    assert engine_arguments(tmp_path, 3) == ({"cudagraph_mode": "NONE"}, "triton")
-    assert restart.stderr.count("hung twice at step 3 in the engine") == 1
-    assert "(the protected settings: the last run hung twice at one step)" in restart.stderr
+    assert engine_arguments(tmp_path, 2) == ({"cudagraph_mode": "NONE"}, "triton")
+    assert built_mode(tmp_path, 2) == "NONE"
+    again_read = "the engine hung again at step 3, where the run before had hung too ("
+    assert restart.stderr.count("REPEATED_HANG): the engine is built with the protection for it.") == 1
+    assert again_read in restart.stderr
+    assert "cudagraph=applied (cudagraph_mode=NONE (protected: the engine hung again at step 3" in restart.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["hang, cudagraph off", "crash"])
+def test_no_escalation_upstream_nor_after_a_run_that_did_not_hang(
+    tiny_model_dir: Path, tmp_path: Path, ending: str
+) -> None:
+    """With the fix off (``TRL_VLM_FIXES_CUDAGRAPH=0``) the restart after an engine hang is exactly upstream: no
+    compilation_config, the same graphs again. With it on, a run that ended any other way than an engine hang (here
+    an exception in its rollout) leaves no report: the next start keeps vLLM's own mode."""
+    off = {"TRL_VLM_FIXES_CUDAGRAPH": "0"} if ending.endswith("off") else {}
+    if ending == "crash":
+        first = single(tiny_model_dir, tmp_path, {"CRASH_AT_GENERATE": "1"})
+        assert first.returncode == 1 and not list((tmp_path / "out").glob("trl_vlm_fixes_hang_rank*"))
+    else:
+        first = single(tiny_model_dir, tmp_path, {**off, "WEDGE_TIMES": "1"})
+        assert first.returncode == 75 and (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.txt").exists()
+    restart = single(tiny_model_dir, tmp_path, {**off, "BUILD_ONLY": "1"})
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert engine_arguments(tmp_path, 1)[0] is None and built_mode(tmp_path, 1) == "FULL_AND_PIECEWISE"
 
 
 @pytest.mark.slow
@@ -171,7 +206,7 @@ def test_a_slow_first_weight_push_passes_in_every_run(tiny_model_dir: Path, tmp_
         result = single(tiny_model_dir, tmp_path, slow)
         assert result.returncode == 0, result.stderr[-3000:]
         assert attempts(tmp_path / "records", 0)[run][-1]["steps"] == 2
-        assert engine_arguments(tmp_path, run)[0] == {"cudagraph_mode": "PIECEWISE"}
+        assert engine_arguments(tmp_path, run)[0] is None  # never escalated: vLLM's own mode in every run
     assert not list((tmp_path / "out").glob("trl_vlm_fixes_hang_rank*"))
     learned = json.loads((tmp_path / "out" / "trl_vlm_fixes_watchdog_limits_rank0.json").read_text())
     assert learned["sync_weights"] >= 12

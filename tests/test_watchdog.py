@@ -50,7 +50,11 @@ def test_a_generate_that_never_returns_ends_the_process_with_75(tiny_model_dir: 
     assert "LLM.generate (colocate): the wait for the next engine step" in report and "at step 0" in report
     assert "watch: engine-step" in report
     assert ("gdn_prefill_backend=triton" in report) == gdn_prefill_acts() and "resume_from_checkpoint" in report
-    assert "cudagraph_mode=PIECEWISE" in report  # the engine's settings
+    assert "cudagraph_mode=vLLM's own (protection armed" in report  # the engine's settings
+    assert "vLLM built: " in report and "cudagraph_mode=FULL_AND_PIECEWISE" in report  # read back from it
+    # what the restart here gets (tests/test_resume.py restarts it)
+    restart = "protection: this engine was built with NO_HANG; the restart in this output_dir builds the engine with "
+    assert restart + "ENGINE_HANG (cudagraph mode=PIECEWISE" in report
     assert "ran longer than 10 s" in result.stderr and "resume_from_checkpoint" in result.stderr
     hang_to_exit = time.time() - float((tmp_path / "hang_started").read_text())
     assert limit <= hang_to_exit <= limit + 15, hang_to_exit
@@ -533,22 +537,64 @@ def test_the_engine_build_is_not_watched_its_later_sleeps_are(
 
 
 @pytest.mark.stack_independent
-def test_a_repeated_hang_is_named_only_for_the_engine_step_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ "repeated hang" (and the protected restart after it) needs the engine-step rule to fire twice at one step; a
-    weight push, a sleep or a server generate hanging twice at one step never says so."""
-    from trl_vlm_fixes.patches.watchdog import report, resume
+def test_a_repeated_hang_is_named_only_for_an_engine_without_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "repeated hang" (and the protected restart after it) needs a colocated engine without progress (its step rule,
+    or the total-time rule of an engine without steps to watch) twice at one step; a weight push, a sleep or a server
+    generate hanging twice at one step never says so, nor asks for a protected engine."""
+    from trl_vlm_fixes.patches.watchdog import escalation, report
+    from trl_vlm_fixes.protection import Level
 
     def context(watch: str, step: int) -> report.HangContext:
         return report.HangContext("a call", 0, step, None, "-", "-", watch)
 
-    for watch in ("engine-step", "sync_weights", "wake_up", "server_generate"):
-        monkeypatch.setattr(resume, "_restarted_after", {("3", watch)})
-        named = resume.REPEATED in report.hang_report(10, context(watch, 3))
-        assert named is (watch == "engine-step"), watch
-    monkeypatch.setattr(resume, "_restarted_after", {("3", "sync_weights")})  # the last run's hang: another rule
-    assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))
-    monkeypatch.setattr(resume, "_restarted_after", {("2", "engine-step")})  # another step
-    assert resume.REPEATED not in report.hang_report(10, context("engine-step", 3))
+    for watch in ("engine-step", "engine_generate", "sync_weights", "wake_up", "server_generate"):
+        monkeypatch.setattr(escalation, "_restarted_after", {("3", watch)})
+        text = report.hang_report(10, context(watch, 3))
+        engine = watch in ("engine-step", "engine_generate")
+        assert (escalation.REPEATED in text) is engine, watch
+        assert escalation.report_level(text) == (Level.REPEATED_HANG if engine else Level.NO_HANG), watch
+    monkeypatch.setattr(escalation, "_restarted_after", {("3", "sync_weights")})  # the last run's hang: another rule
+    assert escalation.REPEATED not in report.hang_report(10, context("engine-step", 3))
+    monkeypatch.setattr(escalation, "_restarted_after", {("2", "engine-step")})  # another step
+    text = report.hang_report(10, context("engine-step", 3))
+    assert escalation.REPEATED not in text and escalation.report_level(text) == Level.ENGINE_HANG
+
+
+@pytest.mark.stack_independent
+@pytest.mark.parametrize("built", ["NO_HANG", "ENGINE_HANG", "REPEATED_HANG"])
+def test_the_protection_never_drops_while_engine_hangs_go_on(monkeypatch: pytest.MonkeyPatch, built: str) -> None:
+    """An engine hang at a new step asks for at least the protection the hung engine had: a NONE engine that hangs
+    elsewhere is not restarted PIECEWISE."""
+    from trl_vlm_fixes.patches.watchdog import escalation, report
+    from trl_vlm_fixes.protection import Level
+
+    monkeypatch.setattr(escalation, "_restarted_after", set())
+    monkeypatch.setattr(escalation, "_engine_level", Level[built])
+    text = report.hang_report(10, report.HangContext("a call", 0, 9, None, "-", "-", "engine-step"))
+    assert escalation.report_level(text) == max(Level.ENGINE_HANG, Level[built])
+
+
+def test_a_server_generate_report_names_the_flag_that_protects_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No process of the server reads the trainer's report: it says how to restart the server protected (TRL 1.9.1
+    under the launcher: the mode's variable; TRL >= 1.11: vLLM's own flag), NONE after a second hang at that step."""
+    from helpers import server_engine_build_problem_in_llm_worker
+
+    from trl_vlm_fixes.patches.watchdog import escalation, report
+    from trl_vlm_fixes.protection import Level
+
+    def text(restarted_after: set[tuple[str, str]]) -> str:
+        monkeypatch.setattr(escalation, "_restarted_after", restarted_after)
+        hung = report.HangContext("VLLMClient.generate", 0, 3, None, "-", "-", "server_generate")
+        return report.hang_report(30, hung)
+
+    once, again = text(set()), text({("3", "server_generate")})
+    if server_engine_build_problem_in_llm_worker():  # TRL 1.9.1: the plugin builds the server's engine
+        assert "restart it with `TRL_VLM_FIXES_CUDAGRAPH_MODE=PIECEWISE trl-vlm-fixes run -- trl vllm-serve" in once
+        assert "`TRL_VLM_FIXES_CUDAGRAPH_MODE=NONE trl-vlm-fixes run" in again
+    else:
+        assert """`trl vllm-serve ... --compilation-config '{"cudagraph_mode": "PIECEWISE"}'`""" in once
+        assert """--compilation-config '{"cudagraph_mode": "NONE"}'""" in again
+    assert escalation.report_level(once) == escalation.report_level(again) == Level.NO_HANG  # nothing built here
 
 
 def test_the_progress_it_counts_is_the_installed_vllms_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,8 +73,9 @@ class Fix:
     # why the fix steps aside for this trainer (its model, mode, settings), or None: the trainer-start line and
     # status say "stepped-aside" with the reason instead of "applied"
     scope: Callable[[Any], str | None] = _everywhere
-    # its settings after a hang repeated at one step (the watchdog's protected restart): (key, value) pairs
-    protected: tuple[tuple[str, Any], ...] = ()
+    # its settings for an engine built after a hang (``protection.Level``: after an engine hang, after one repeated
+    # at one step): (level, key, value), each from its level up, unless the selected value protects as much
+    protected: tuple[tuple[int, str, Any], ...] = ()
     # a switch that is not on/off (the watchdog's seconds): the fix is on when its value is truthy
     switch_setting: Setting | None = None
 

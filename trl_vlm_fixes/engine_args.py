@@ -20,11 +20,13 @@ An engine built where a contribution was expected but never applied sets the fix
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.util
 import os
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -45,10 +47,19 @@ class EngineBuild:
 
     caller: str
     model_config: Any
-    protected: bool = False  # the last run hung twice at one step: the fixes' protected settings, not the selected
+    protection: protection.Verdict = protection.NO_HANG  # the hang reports read for this engine (and which)
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
     stepped_aside: list[tuple[str, str]] = field(default_factory=list)  # (fix, why it leaves this engine alone)
-    protected_by: list[str] = field(default_factory=list)  # the fixes that used their protected setting
+    protected_by: list[str] = field(default_factory=list)  # the fixes whose setting the protection raised
+    why: dict[str, str] = field(default_factory=dict)  # fix -> why its setting (status and the trainer-start line)
+
+    def setting(self, fix_name: str, key: str, selected: Any) -> Any:
+        """The fix's setting for this engine: ``selected``, or what it declares for the protection due."""
+        chosen = protection.setting(fix_name, key, selected, self.protection.level)
+        if chosen != selected:
+            self.protected_by.append(fix_name)
+            self.why.setdefault(fix_name, f"protected: {self.protection.reason}")
+        return chosen
 
 
 # A contribution edits the engine keyword arguments in place and records what it did on the build.
@@ -87,6 +98,16 @@ _pending: ContextVar[_Pending | None] = ContextVar("trl_vlm_fixes_engine_args", 
 
 # What the last engine of this process was built with (the rollout watchdog writes it into its hang report)
 last_engine_settings = "(no engine built by TRL in this process yet)"
+# engine -> {fix: "what vLLM built (why)"}, for the trainer-start line; weak: never keeps an engine alive
+_readings: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def engine_readings(engine: Any) -> dict[str, str]:
+    """What each engine fix that acted on ``engine`` read back from it, with why (empty where none did)."""
+    try:
+        return dict(_readings.get(engine, {}))
+    except TypeError:  # not weak-referenceable
+        return {}
 
 
 @dataclass(frozen=True)
@@ -119,12 +140,8 @@ def describe(build: EngineBuild) -> str:
     """One line: the settings chosen and their cost, and which fixes stepped aside and why."""
     parts = []
     if build.changes:
-        protected = " (the protected settings: the last run hung twice at one step)" if build.protected_by else ""
+        protected = f" (protected: {build.protection.reason})" if build.protected_by else ""
         parts.append("with " + "; ".join(sorted(build.changes)) + protected)
-    if build.protected and not build.protected_by:
-        parts.append(
-            "the last run hung twice at one step, but no engine fix with protected settings acts on this model"
-        )
     reasons: dict[str, list[str]] = {}
     for name, reason in build.stepped_aside:
         if build.model_config is None:  # every scope reads the config: none of them could decide
@@ -138,6 +155,11 @@ def describe(build: EngineBuild) -> str:
         asides.append(f"{' and '.join(sorted(names))} {verb} aside: {reason}")
     if asides:
         parts.append(("exactly as upstream: " if not build.changes else "") + "; ".join(asides))
+    if build.protection.level and not build.protected_by:
+        parts.append(
+            f"{build.protection.reason}: "
+            + ("the selected settings protect as much" if build.changes else "no engine fix acts on this model")
+        )
     return "; ".join(parts) + "." if parts else "exactly as upstream."
 
 
@@ -166,7 +188,8 @@ def _construct(
     back from the engine's own config, with a warning where a setting changes what a mode means)."""
     pending = _pending.get()
     assert pending is not None  # only called inside a wrapper, which set it
-    build = EngineBuild(builder.caller, served_model_config(trainer, kwargs), protection.due())
+    model_config = served_model_config(trainer, kwargs)
+    build = EngineBuild(builder.caller, model_config, protection.due())
     acting = []
     for contribution in pending.contributions:
         if contribution.acts_on(build):
@@ -178,20 +201,25 @@ def _construct(
             build.stepped_aside.append((contribution.fix_name, contribution.aside))
     pending.applied = True
     built = engine(*args, **kwargs)
-    readings = []
+    readings, by_fix = [], {}
     for contribution in acting:
         reading = _read_back(contribution, built)
         if reading is not None:
             setting, warnings = reading
             readings.append(setting)
+            why = build.why.get(contribution.fix_name)
+            by_fix[contribution.fix_name] = setting + (f" ({why})" if why else "")
             report_runtime_state(
                 contribution.fix_name,
                 target_key,
                 "applied",
-                f"{builder.caller}: engine built with {setting} (read back from the built engine)",
+                f"{builder.caller}: engine built with {setting} (read back from the built engine)"
+                + (f"; {why}" if why else ""),
             )
             for warning in warnings:
                 LOGGER.warning("%s", warning)
+    with contextlib.suppress(TypeError):  # an engine that cannot be weakly referenced: no trainer-start reading
+        _readings[built] = by_fix
     global last_engine_settings
     last_engine_settings = describe(build) + (f" vLLM built: {', '.join(readings)}." if readings else "")
     # rank 0 says it (every rank builds one); a server worker or a process without an accelerator always does
@@ -298,7 +326,7 @@ def _report_missed(fix_name: str, target_key: str, caller: str) -> None:
 
 
 @functools.cache
-def _server_builds_elsewhere() -> str | None:
+def server_builds_elsewhere() -> str | None:
     """TRL >= 1.11's ``vllm_serve.py`` never calls ``LLM(...)``: it execs vLLM's own server (huggingface/trl#6765),
     whose engine no wrapper here can reach. Read from the file's AST, without importing TRL."""
     server_file = _server_file()
@@ -313,7 +341,7 @@ def _server_builds_elsewhere() -> str | None:
         return None
     return (
         "not for `trl vllm-serve`: this TRL execs vLLM's own server, which the engine fixes cannot reach; pass vLLM's "
-        "flags to it instead (README: Server mode on TRL >= 1.11)"
+        "flags to it instead (docs/launcher.md: Server mode on TRL >= 1.11)"
     )
 
 
@@ -367,7 +395,7 @@ def engine_builder_targets(
         return upstream_fixed()
 
     def server_not_reached(function: Callable[..., Any]) -> str | None:
-        return upstream_fixed() or _server_builds_elsewhere()
+        return upstream_fixed() or server_builds_elsewhere()
 
     colocated = tuple(
         Target(

@@ -268,10 +268,6 @@ class Registry:
             for setting in self._all_settings(fix):
                 setting.read(given.get(setting.key))
 
-    def protected_value(self, fix_name: str, key: str) -> Any:
-        """The setting a fix declares for the restart after a hang repeated at one step (``Fix.protected``)."""
-        return dict(self.fixes[fix_name].protected)[key]
-
     @staticmethod
     def _all_settings(fix: Fix) -> tuple[Any, ...]:
         return (*fix.settings, *((fix.switch_setting,) if fix.switch_setting is not None else ()))

@@ -2,7 +2,9 @@
 ``python -m vllm.entrypoints.cli.main serve ...`` (huggingface/trl#6765): no frame of TRL's is left where that engine
 is configured, and it is built through ``AsyncLLM``, not ``LLM(...)``, so the engine fixes cannot reach it. Under the
 launcher the plugin loads in that process too; there it says once which of vLLM's own flags (``trl vllm-serve``
-forwards them) give the server's engine the settings the fixes would have given it."""
+forwards them) give the server's engine the settings the fixes would have given it: the pinned CUDA-graph mode and the
+prefill backend now, and the ``compilation_config`` that protects it after the trainer's watchdog reports a server
+generate that never returned (no process of the server can read that report)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from .logs import fix_logger
 from .moe_backend import has_routed_experts
-from .patches.cudagraph import selected_mode
+from .patches.cudagraph import AUTO, HANG_MODE, PROTECTED_MODE, selected_mode
 from .patches.gdn_prefill import kernel_gone_reason, selected_backend
 from .registry import active
 
@@ -60,16 +62,29 @@ def _sets_cudagraph_mode(options: list[tuple[str, str]]) -> bool:
     return False
 
 
+def compilation_flag(mode: str) -> str:
+    """vLLM's server flag for ``cudagraph_mode`` (``trl vllm-serve`` forwards it)."""
+    return f'--compilation-config \'{{"cudagraph_mode": "{mode}"}}\''
+
+
 def flags_to_pass(argv: Sequence[str]) -> list[str]:
-    """The flags that give vLLM's server the fixes' engine settings, less those the command already has."""
+    """The flags that give vLLM's server the fixes' engine settings now (a pinned CUDA-graph mode, the prefill
+    backend), less those the command already has."""
     options = _options(argv)
     flags = []
-    if active().is_enabled("cudagraph") and not _sets_cudagraph_mode(options):
-        flags.append(f'--compilation-config \'{{"cudagraph_mode": "{selected_mode()}"}}\'')
+    if active().is_enabled("cudagraph") and selected_mode() != AUTO and not _sets_cudagraph_mode(options):
+        flags.append(compilation_flag(selected_mode()))
     prefill_needed = active().is_enabled("gdn_prefill") and kernel_gone_reason() is None
     if prefill_needed and "--gdn-prefill-backend" not in dict(options):
         flags.append(f"--gdn-prefill-backend {selected_backend()}")
     return flags
+
+
+def protection_flag(argv: Sequence[str]) -> str | None:
+    """The flag that protects the server's engine after a hang (``PIECEWISE``), where the server keeps vLLM's own
+    CUDA graphs (mode ``auto``, no ``cudagraph_mode`` in the command): None elsewhere."""
+    armed = active().is_enabled("cudagraph") and selected_mode() == AUTO
+    return compilation_flag(HANG_MODE) if armed and not _sets_cudagraph_mode(_options(argv)) else None
 
 
 def served_model(argv: Sequence[str]) -> str | None:
@@ -139,8 +154,8 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
     try:
         if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
             return
-        flags = flags_to_pass(argv)
-        gated_deltanet = served_model_has_gated_deltanet(argv) if flags else None
+        flags, protection = flags_to_pass(argv), protection_flag(argv)
+        gated_deltanet = served_model_has_gated_deltanet(argv) if flags or protection else None
         expert_flag = expert_flag_to_pass(argv)
     except Exception as error:  # noqa: BLE001 - advice must never break the server's start
         LOGGER.debug("no server advice: %r", error)
@@ -158,7 +173,7 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
             served_model(argv),
             expert_flag,
         )
-    if not flags:
+    if not flags and not protection:
         return
     if gated_deltanet is False:
         LOGGER.warning(
@@ -170,10 +185,16 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
         if gated_deltanet
         else "For a Qwen3.5 (Gated-DeltaNet) model (this one's config could not be read here)"
     )
-    LOGGER.warning(
-        "%s. %s: pass %s to `trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation config as "
-        "a JSON string).",
-        server,
-        model,
-        " ".join(flags),
+    advice = (
+        f"pass {' '.join(flags)} to `trl vllm-serve` (it forwards vLLM's flags; in a YAML config, the compilation "
+        "config as a JSON string)"
+        if flags
+        else "no flag is needed to start"
     )
+    if protection:
+        advice += (
+            f". It keeps vLLM's own CUDA graphs (the fastest decode): if the trainer's watchdog reports a server "
+            f"generate that never returned (a wedged engine), restart the server with {protection} "
+            f"({PROTECTED_MODE} after a second hang at the same step)"
+        )
+    LOGGER.warning("%s. %s: %s.", server, model, advice)

@@ -1,8 +1,9 @@
 """When a GRPO or RLOO trainer is built: rank 0 shows the final state of every fix once, where users look.
 
 The import-time summary can only say ``pending`` (TRL is not imported yet); by the time a trainer exists every target
-is imported and every state is final. The trainer is also recorded as the owner of its vLLM engine, so a watchdog
-report can name the step and write into ``output_dir``.
+is imported and every state is final; an engine fix that acted on the trainer's engine adds what vLLM built and why
+(``cudagraph=applied (cudagraph_mode=PIECEWISE (protected: ...))``). The trainer is also recorded as the owner of its
+vLLM engine, so a watchdog report can name the step and write into ``output_dir``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def after_trainer_init(
 
 def _after_init(trainer: Any) -> None:
     from . import REGISTRY, __version__
+    from .engine_args import engine_readings
     from .patches.watchdog import register_owner
 
     generation = getattr(trainer, "vllm_generation", None)
@@ -41,6 +43,7 @@ def _after_init(trainer: Any) -> None:
     if _announced or not getattr(accelerator, "is_main_process", True):
         return
     _announced = True
+    readings = engine_readings(getattr(generation, "llm", None))
     states = []
     for name, fix in REGISTRY.fixes.items():
         state, detail = REGISTRY.fix_state(name)
@@ -49,6 +52,8 @@ def _after_init(trainer: Any) -> None:
             state += f" ({REGISTRY.value(name, switch.key):g} {switch.unit})"
         elif state == "stepped-aside":
             state += f" ({detail.partition(': ')[2]})"
+        elif state == "applied" and name in readings:
+            state += f" ({readings[name]})"
         states.append(f"{name}={state}")
     LOGGER.warning("%s at trainer start: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
 

@@ -13,9 +13,9 @@ usage: resume_ranks.py MODEL_DIR OUTPUT_DIR RECORDS_DIR
   SAVE_ONLY_MODEL (0)      save_only_model=True
   CRASH_AT_GENERATE (0)    1: the process's first rollout is recorded, then raises (the run never ends a step)
   BUILD_ONLY (0)           1: build the trainer, record the engine arguments, exit
-Each rank appends JSON lines to RECORDS_DIR/rank{N}.jsonl: "start" (the compilation config and GDN prefill backend the
-engine received), "generate" (the step, when the engine was called, whether it ran on the trainer's weights and on the
-base checkpoint), "saved" (rank 0 after a slow save), "end" (the final step).
+Each rank appends JSON lines to RECORDS_DIR/rank{N}.jsonl: "start" (the compilation config and GDN prefill backend
+the engine received, the CUDA-graph mode it reports), "generate" (the step, when the engine was called, whether it ran
+on the trainer's weights and on the base checkpoint), "saved" (rank 0 after a slow save), "end" (the final step).
 """
 
 from __future__ import annotations
@@ -150,11 +150,13 @@ def main() -> None:
             record("saved", step=trainer.state.global_step, at=time.time())
 
         trainer._save_optimizer_and_scheduler = slow_save_optimizer
-    kwargs = trainer.vllm_generation.llm.init_kwargs
+    llm = trainer.vllm_generation.llm
+    kwargs = llm.init_kwargs
     record(
         "start",
         compilation_config=kwargs.get("compilation_config"),
         gdn_prefill_backend=kwargs.get("gdn_prefill_backend"),
+        built_mode=llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,  # what the engine reports
     )
     if not setting("BUILD_ONLY"):
         trainer.train()

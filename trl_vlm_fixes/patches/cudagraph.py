@@ -1,16 +1,22 @@
-"""cudagraph: TRL's vLLM engine runs every Gated-DeltaNet kernel outside CUDA graphs (``PIECEWISE``), or as selected.
+"""cudagraph: TRL's vLLM engine keeps vLLM's own CUDA graphs until the watchdog has seen it hang; the restart then runs
+every Gated-DeltaNet kernel outside CUDA graphs (``PIECEWISE``), and captures nothing (``NONE``) after a second hang at
+the same step.
 
 A hang of CUDA-graph replay of Qwen3.5's Gated-DeltaNet *decode* was reported to this project (GPU at 100%, CPU idle,
-SIGTERM ignored) but not reproduced; the documented hang on Hopper is FlashInfer's GDN prefill (see ``gdn_prefill``).
-In vLLM 0.25.1 ``vllm::qwen_gdn_attention_core`` (conv1d + recurrent attention, prefill and decode) is one of the
-default splitting ops (``CompilationConfig._attention_ops``, ``set_splitting_ops_for_v1``): under ``PIECEWISE`` every
-GDN kernel runs between the captured pieces, launched from Python at every step; only the projections, MLPs, norms
-are replayed from graphs. Measured on an H200 with an 8.95B Qwen3.5 shape (docs/gpu-results.md, section 9): 0 GDN
-calls during graph capture and 0.998 per step and GDN layer under ``PIECEWISE``, against 504 and 0.032 under vLLM's
-default graphs. So ``PIECEWISE`` removes exactly what the report is about, at 0.79x the default's decode there (3,931
-vs 4,960 tok/s), where ``NONE`` (selectable: nothing captured) costs far more. The value is injected at the
-``LLM(...)`` call TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is mutated after the
-engine exists and ``enforce_eager`` is never touched.
+SIGTERM ignored) but never reproduced, and nothing public ties plain decode graphs to a hang; the hang documented for
+this stack is FlashInfer's SM90 GDN prefill kernel, outside every graph in every mode (``gdn_prefill`` removes it).
+``PIECEWISE`` costs on every step where it is not needed: decode 0.39x-0.77x vLLM's default graphs on a 2B-class
+Qwen3.5 shape at 16-256 requests per step, 0.75x-0.91x at 9B (H100; docs/gpu-results.md). So by default the fix adds
+nothing to the engine's ``compilation_config`` and arms the protection: after a colocated generate whose engine made
+no progress (the watchdog's report in ``output_dir``), the restart there builds ``PIECEWISE``: in vLLM 0.25.1
+``vllm::qwen_gdn_attention_core`` (conv1d + recurrent attention, prefill and decode) is one of the default splitting
+ops (``CompilationConfig._attention_ops``, ``set_splitting_ops_for_v1``), so every GDN kernel runs between the
+captured pieces (measured on an H200, docs/gpu-results.md section 9: 0 GDN calls during graph capture and 0.998 per
+step and GDN layer, against 504 and 0.032 under vLLM's default graphs); after a second hang at that step, ``NONE``
+(``protection.Level``, declared below). ``TRL_VLM_FIXES_CUDAGRAPH_MODE`` pins a mode from the first step; a hang can
+only raise its protection (``PIECEWISE`` -> ``NONE``), never lower it. The value is injected at the ``LLM(...)`` call
+TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is mutated after the engine exists and
+``enforce_eager`` is never touched.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ import dataclasses
 import functools
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
+from .. import protection
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..logs import fix_logger
-from ..registry import active, value
+from ..protection import Level
+from ..registry import value
 from ..switches import SwitchValueError, choice
 from ..vllm_arguments import cudagraph_mode_problem
 
@@ -34,14 +43,16 @@ LOGGER = fix_logger(__name__)
 
 # vLLM 0.25.1's CUDAGraphMode names (checked against the real enum in the tests).
 VALID_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-DEFAULT_MODE = "PIECEWISE"
-PROTECTED_MODE = "NONE"  # after a hang repeated at one step (watchdog.resume): nothing captured at all
+AUTO = "auto"  # vLLM's own mode until a hang is reported, then the protected modes below
+DEFAULT_MODE = AUTO
+HANG_MODE = "PIECEWISE"  # after an engine hang: every Gated-DeltaNet kernel outside the graphs
+PROTECTED_MODE = "NONE"  # after a hang repeated at one step: nothing captured at all
 # measured on an H200 (docs/gpu-results.md, sections 3 and 9)
 SPEED_NOTE = {
     "NONE": "no CUDA graphs at all: decode about 3-4x slower than vLLM's default graphs",
     "PIECEWISE": (
-        "every Gated-DeltaNet kernel outside CUDA graphs, the rest captured: decode 0.79x vLLM's default graphs at "
-        "8.95B (0.5-0.6x on a 1.2B model)"
+        "every Gated-DeltaNet kernel outside CUDA graphs, the rest captured: decode 0.39-0.77x vLLM's default graphs "
+        "on a 2B-class Qwen3.5 at 16-256 requests per step, 0.75-0.91x at 9B"
     ),
     "FULL_DECODE_ONLY": "full graphs for decode only: the default's decode speed at batch 64, 1.3x slower at 16",
     "FULL": "full graphs",
@@ -49,20 +60,34 @@ SPEED_NOTE = {
 }
 
 
-MODE = choice("mode", "TRL_VLM_FIXES_CUDAGRAPH_MODE", VALID_MODES, DEFAULT_MODE, "a vLLM CUDAGraphMode")
+MODE = choice(
+    "mode", "TRL_VLM_FIXES_CUDAGRAPH_MODE", (AUTO, *VALID_MODES), DEFAULT_MODE, "auto or a vLLM CUDAGraphMode"
+)
 CudagraphModeError = SwitchValueError  # what a bad TRL_VLM_FIXES_CUDAGRAPH_MODE raises (kept for importers)
 
 
 def selected_mode() -> str:
-    """The mode read at apply() (TRL_VLM_FIXES_CUDAGRAPH_MODE, or apply(cudagraph={"mode": ...}); PIECEWISE)."""
+    """The mode read at apply() (TRL_VLM_FIXES_CUDAGRAPH_MODE, or apply(cudagraph={"mode": ...}); auto)."""
     return str(value("cudagraph", MODE.key))
 
 
+ARMED = (
+    f"vLLM's own (protection armed: {HANG_MODE} after an engine hang, {PROTECTED_MODE} after a second at one step; "
+    f"{MODE.variable}={HANG_MODE} pins it from the first step)"
+)
+
+
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Merge the selected ``cudagraph_mode`` into the engine's compilation config (``NONE`` after a repeated hang)."""
-    mode = active().protected_value("cudagraph", MODE.key) if build.protected else selected_mode()
-    if build.protected:
-        build.protected_by.append("cudagraph")
+    """The selected mode, or the protection the hang reports ask for (``build.setting``), merged into the engine's
+    compilation config; with neither (``auto``, no hang), vLLM's own mode: nothing is added."""
+    selected = selected_mode()
+    mode = build.setting("cudagraph", MODE.key, selected)
+    if mode == AUTO:
+        build.why["cudagraph"] = f"vLLM's own mode: {build.protection.reason}"
+        build.changes.append(f"cudagraph_mode={ARMED}")
+        return
+    if mode == selected:
+        build.why["cudagraph"] = f"{MODE.variable}={selected}"
     kwargs["compilation_config"] = merge_compilation_config(kwargs.get("compilation_config"), mode)
     build.changes.append(f"cudagraph_mode={mode} ({SPEED_NOTE[mode]}; {MODE.variable} to choose)")
 
@@ -78,7 +103,7 @@ def read_back(engine: Any) -> tuple[str, list[str]] | None:
     if getattr(getattr(config, "model_config", None), "enforce_eager", False) and built == "NONE":
         warnings.append(
             f"cudagraph: enforce_eager=True: vLLM captures no CUDA graph at all (cudagraph_mode NONE: "
-            f"{SPEED_NOTE['NONE']}), whatever {MODE.variable} says; drop enforce_eager to get {selected_mode()}."
+            f"{SPEED_NOTE['NONE']}), whatever {MODE.variable} says; drop enforce_eager to get CUDA graphs."
         )
     breaks = gated_deltanet_op_breaks_graphs() if built == "PIECEWISE" and _breakable_cudagraph() else True
     if not breaks:
@@ -169,9 +194,10 @@ def _warn_override(previous: Any, mode: str) -> None:
 
 
 def arguments_problem() -> str | None:
-    """Why the installed vLLM would refuse the modes this fix may pass (the selected one, and NONE after a repeated
-    hang), read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``."""
-    return cudagraph_mode_problem(selected_mode()) or cudagraph_mode_problem(PROTECTED_MODE)
+    """Why the installed vLLM would refuse the modes this fix may pass (the selected one, and those a hang asks for),
+    read from its own ``EngineArgs``/``CompilationConfig``/``CUDAGraphMode``."""
+    modes = [mode for mode in (selected_mode(), HANG_MODE, PROTECTED_MODE) if mode != AUTO]
+    return next((problem for mode in modes if (problem := cudagraph_mode_problem(mode))), None)
 
 
 scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
@@ -191,27 +217,66 @@ def engine_cudagraph_mode(config: Any) -> str:
 
 def selftest(context: Any, family: str) -> Any:
     """The CUDA-graph mode the engine TRL builds for a Gated-DeltaNet model gets, as vLLM's CompilationConfig reads
-    it: upstream vLLM's default graphs (GDN decode captured), with the fix one that captures no GDN kernel."""
+    it, in a fresh ``output_dir``, after the watchdog's report of an engine hang there, and after one of a hang
+    repeated at one step: upstream, vLLM's default graphs (GDN decode captured) every time; with the fix, vLLM's mode
+    (or the pinned one) first, then ``PIECEWISE``, then ``NONE``."""
     from ..selftest.rollout_schedule import build_generation
     from ..selftest.runner import off_then_on
 
-    def measure() -> str:
-        generation = build_generation(context.model_dir(family), context.processor(family))
-        return engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
+    def measure() -> dict[str, str]:
+        modes = {}
+        for level, reports in _hang_reports(context).items():
+            with protection.building_in(reports):
+                generation = build_generation(context.model_dir(family), context.processor(family))
+            modes[level.name] = engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
+        return modes
 
-    def bug(mode: str) -> tuple[bool | None, str]:
-        captured = mode not in ("NONE", "PIECEWISE")
-        return captured, f"fix off: the engine TRL builds for a Gated-DeltaNet model gets cudagraph_mode={mode}"
+    def bug(modes: dict[str, str]) -> tuple[bool | None, str]:
+        captured = modes[Level.ENGINE_HANG.name] not in ("NONE", "PIECEWISE")
+        return captured, f"fix off: the engine TRL builds for a Gated-DeltaNet model gets {_modes_text(modes)}"
 
-    def fix(mode: str) -> tuple[bool | None, str]:
-        return mode == selected_mode(), f"fix on: vLLM's CompilationConfig gets cudagraph_mode={mode}"
+    def fix(modes: dict[str, str]) -> tuple[bool | None, str]:
+        expected = {level.name: expected_mode(level) for level in Level}
+        return modes == expected, f"fix on: vLLM's CompilationConfig gets {_modes_text(modes)}"
 
     return off_then_on("cudagraph", measure, bug, fix)
 
 
+def expected_mode(level: Level) -> str:
+    """The mode an engine gets at ``level`` with the mode selected now, as vLLM's CompilationConfig names it."""
+    mode = protection.protected_setting(FIX.protected, MODE.key, selected_mode(), level)
+    return engine_cudagraph_mode(None) if mode == AUTO else mode
+
+
+def _modes_text(modes: dict[str, str]) -> str:
+    return ", ".join(f"{name}: cudagraph_mode={mode}" for name, mode in modes.items())
+
+
+def _hang_reports(context: Any) -> dict[Level, Path]:
+    """An ``output_dir`` per level, holding what the watchdog writes there: nothing, its report of an engine hang at
+    step 3, and its report of a second hang at step 3 after a restart (written by its own report writer)."""
+    from .watchdog import escalation, report
+
+    folders = {}
+    for level in Level:
+        folder = Path(context.workdir) / f"cudagraph_{level.name.lower()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        folders[level] = folder
+    hung = report.HangContext("a wedged generate", 0, 3, None, "(self-test)", "(self-test)", report.ENGINE_STEP)
+    first = report.hang_report(10, hung)
+    (folders[Level.ENGINE_HANG] / "trl_vlm_fixes_hang_rank0.txt").write_text(first)
+    escalation.restarted_after({folders[Level.ENGINE_HANG]: first})
+    try:
+        (folders[Level.REPEATED_HANG] / "trl_vlm_fixes_hang_rank0.txt").write_text(report.hang_report(10, hung))
+    finally:
+        escalation.restarted_after({})
+    return folders
+
+
 FIX = Fix(
     name="cudagraph",
-    summary="vLLM engine runs every Gated-DeltaNet kernel outside CUDA graphs (a reported GDN decode-graph hang)",
+    summary="vLLM engine keeps vLLM's CUDA graphs until an engine hang; then Gated-DeltaNet kernels outside them "
+    "(PIECEWISE), none captured after a second hang at one step (NONE)",
     packages=("trl", "vllm"),
     targets=engine_builder_targets(
         "cudagraph", contribute, serves_gated_deltanet, arguments_problem, read_back=read_back
@@ -219,5 +284,5 @@ FIX = Fix(
     settings=(MODE,),
     selftest=selftest,
     scope=scope,
-    protected=(("mode", PROTECTED_MODE),),
+    protected=((Level.ENGINE_HANG, "mode", HANG_MODE), (Level.REPEATED_HANG, "mode", PROTECTED_MODE)),
 )

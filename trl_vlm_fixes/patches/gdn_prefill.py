@@ -18,6 +18,7 @@ from packaging.version import Version
 
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
+from ..protection import Level
 from ..registry import active, value
 from ..switches import SwitchValueError, choice
 from ..versions import installed_version, public_version
@@ -25,7 +26,7 @@ from ..vllm_arguments import engine_argument_problem
 
 VALID_BACKENDS = ("triton", "flashinfer")
 DEFAULT_BACKEND = "triton"
-PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (the watchdog's protected restart)
+PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (protection.Level.REPEATED_HANG)
 BACKEND = choice(
     "backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND, "a GDN prefill backend we select"
 )
@@ -39,10 +40,8 @@ def selected_backend() -> str:
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Select the prefill backend."""
-    backend = active().protected_value("gdn_prefill", BACKEND.key) if build.protected else selected_backend()
-    if build.protected:
-        build.protected_by.append("gdn_prefill")
+    """Select the prefill backend (Triton after a repeated hang, whatever was selected)."""
+    backend = build.setting("gdn_prefill", BACKEND.key, selected_backend())
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
@@ -133,5 +132,5 @@ FIX = Fix(
     settings=(BACKEND,),
     selftest=selftest,
     scope=scope,
-    protected=(("backend", PROTECTED_BACKEND),),
+    protected=((Level.REPEATED_HANG, "backend", PROTECTED_BACKEND),),
 )

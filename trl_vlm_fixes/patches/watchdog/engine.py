@@ -26,7 +26,7 @@ WHAT = "vLLM LLM.generate (colocate): the wait for the next engine step"
 LIKELY_CAUSE = (
     "on Hopper with vLLM 0.25.1 and a Gated-DeltaNet model (Qwen3.5), FlashInfer 0.6.13's GDN prefill kernel "
     "(flashinfer-ai/flashinfer#3986, #2623: TRL_VLM_FIXES_GDN_PREFILL_BACKEND=triton, the default); CUDA-graph decode "
-    "(TRL_VLM_FIXES_CUDAGRAPH_MODE=NONE); a device fault"
+    "(the restart here builds the engine PIECEWISE, NONE after a second hang at this step); a device fault"
 )
 SERVER_CALLS = ("generate", "image_features")  # TRL >= 1.16 sends images to the server first
 _MARK = "_trl_vlm_fixes_watched"

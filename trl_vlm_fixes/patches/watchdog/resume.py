@@ -1,5 +1,5 @@
-"""After a watchdog exit (75) the restart resumes, into a checkpoint that can resume; an engine hang repeated at one
-step gets the protected engine settings.
+"""After a watchdog exit (75) the restart resumes, into a checkpoint that can resume; the engine it builds gets the
+protection the hang reports ask for (``escalation.py``).
 
 TRL's ``trl grpo`` calls ``train()`` without ``resume_from_checkpoint`` and transformers ignores that field of the
 arguments (transformers#23325; TRL #3179, #3635). So a GRPO/RLOO ``train()`` called without one honours the field,
@@ -8,108 +8,29 @@ that can resume (``checkpoints.py``), or says in one line why none can and start
 from the same files: no collective is added. World process zero renames the reports ``*.resumed.txt`` at
 ``on_train_begin``: every rank read them when its ``train()`` began, before accelerate's ``prepare`` of the model, whose
 collectives (DDP's parameter check, FSDP's or DeepSpeed's set-up) no rank leaves before all entered them.
-
-Only an engine-step hang at the step of the engine-step hang the run restarted after (the batch replayed) is a
-``REPEATED`` hang; the engine the restart builds then gets the protected settings (``protection``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import re
 from collections.abc import Callable
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from ... import protection
 from ...declaration import Target, is_rl_trainer, on_trainers
-from ...log_once import warn_once
 from ...logs import fix_logger
 from ...registry import value
 from ...switches import boolean
-from . import checkpoints, report
-from .report import ENGINE_STEP
+from . import checkpoints, escalation
+from .escalation import REPEATED, hang_step, unused_reports
 
+__all__ = ["REPEATED", "RESUME", "RESUME_TARGETS", "unused_reports"]
 LOGGER = fix_logger(__name__)
 # the watchdog's setting ``resume`` (read at apply()); off: the watchdog still fires, a restart starts as upstream does
 RESUME = boolean("resume", "TRL_VLM_FIXES_WATCHDOG_RESUME", True)
-REPEATED = "repeated hang:"
 USED_SUFFIX = ".resumed.txt"
-_UNUSED = re.compile(r"trl_vlm_fixes_hang_rank(\d+)\.txt")
-_STEP = re.compile(r" at step (\d+)\.")
-_WATCH = re.compile(r"^watch: (\S+)$", re.MULTILINE)
-
-# (step, watch) of each hang the run in this process restarted after
-_restarted_after: set[tuple[str, str]] = set()
-# the output_dir of the GRPO/RLOO trainer being built (its engine is built inside __init__)
-_building_output_dir: ContextVar[str | None] = ContextVar("trl_vlm_fixes_building_output_dir", default=None)
-
-
-def unused_reports(output_dir: str | os.PathLike[str] | None) -> dict[Path, str]:
-    """Every rank's hang report in ``output_dir`` that no run has used yet: path -> text."""
-    found: dict[Path, str] = {}
-    if not output_dir or not os.path.isdir(output_dir):
-        return found
-    for path in sorted(Path(output_dir).iterdir()):
-        if _UNUSED.fullmatch(path.name):
-            with contextlib.suppress(OSError):
-                found[path] = path.read_text(errors="replace")
-    return found
-
-
-def hang_step(text: str) -> int | None:
-    """The step a report names on its first line (``... on rank 1 at step 3.``)."""
-    match = _STEP.search(text.split("\n", 1)[0])
-    return int(match.group(1)) if match else None
-
-
-def hang_watch(text: str) -> str:
-    match = _WATCH.search(text)
-    return match.group(1) if match else "other"
-
-
-def protected_after_repeated_hang(output_dir: str | os.PathLike[str] | None = None) -> bool:
-    """True when the last run in ``output_dir`` (default: that of the GRPO/RLOO trainer being built) ended in an engine
-    hang at the step its engine had hung at before: its engine should drop the faster settings."""
-    directory = output_dir if output_dir is not None else _building_output_dir.get()
-    repeated = [(path, text) for path, text in unused_reports(directory).items() if REPEATED in text]
-    if repeated:
-        path, text = repeated[0]
-        warn_once(
-            ("protected", str(directory)),
-            "the last run hung twice at step %s in the engine (%s): the engine is built with the protected settings.",
-            hang_step(text),
-            path,
-            logger=LOGGER,
-        )
-    return bool(repeated)
-
-
-protection.register(protected_after_repeated_hang)
-
-
-def _repeat_note(context: report.HangContext) -> str | None:
-    """The report's line for an engine-step hang at the step of the engine-step hang this run restarted after."""
-    if context.watch != ENGINE_STEP or (str(context.step), ENGINE_STEP) not in _restarted_after:
-        return None
-    prefill = ", gdn_prefill_backend=triton"  # where gdn_prefill acts: not where the kernel it avoids is gone
-    with contextlib.suppress(Exception):  # a report is being written: nothing here may stop it
-        from ..gdn_prefill import kernel_gone_reason
-
-        prefill = "" if kernel_gone_reason() else prefill
-    return (
-        f"{REPEATED} the run restarted after an engine hang at step {context.step} and its engine hung again at step "
-        f"{context.step} (the same batch replayed): the restart builds the engine with the protected settings "
-        f"where the engine fixes act (a model with Gated-DeltaNet layers: cudagraph_mode=NONE{prefill}); another "
-        "model's engine is built as before."
-    )
-
-
-if _repeat_note not in report.NOTES:
-    report.NOTES.append(_repeat_note)
 
 
 def _argument_value(field: Any) -> Any:
@@ -175,8 +96,7 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     if not is_rl_trainer(instance) or not value("watchdog", RESUME.key):
         return wrapped(*args, **kwargs)
     reports = unused_reports(getattr(instance.args, "output_dir", None))
-    _restarted_after.clear()
-    _restarted_after.update((str(hang_step(text)), hang_watch(text)) for text in reports.values())
+    escalation.restarted_after(reports)
     given = args[0] if args else kwargs.get("resume_from_checkpoint")
     if given is None:
         point = _resume_point(instance, reports)
@@ -201,11 +121,8 @@ def init_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ..
         arguments = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get("args")
     except TypeError:
         arguments = None
-    token = _building_output_dir.set(getattr(arguments, "output_dir", None))
-    try:
+    with protection.building_in(getattr(arguments, "output_dir", None)):
         return wrapped(*args, **kwargs)
-    finally:
-        _building_output_dir.reset(token)
 
 
 RESUME_TARGETS: tuple[Target, ...] = (
