@@ -82,11 +82,17 @@ print(json.dumps({"states": states, "keys": sorted(kwargs), "compilation_config"
 """
 
 
+# a pinned mode: the cudagraph argument these tests follow (its default, vLLM's own mode, adds none until a hang)
+PINNED_MODE = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE"}
+
+
 @pytest.mark.parametrize("drifted, kept", [("gdn_prefill", "cudagraph"), ("cudagraph", "gdn_prefill")])
 def test_a_vllm_without_the_argument_gets_an_engine_without_it_and_one_warning(
     tiny_model_dir: Path, drifted: str, kept: str
 ) -> None:
-    result = run_python(DRIFT[drifted] + BUILD, env={"TINY_MODEL_DIR": str(tiny_model_dir), "TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE"}, with_vllm=True)
+    result = run_python(
+        DRIFT[drifted] + BUILD, env={"TINY_MODEL_DIR": str(tiny_model_dir), **PINNED_MODE}, with_vllm=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = last_json(result)
     state = report["states"][drifted]
@@ -109,7 +115,9 @@ def test_a_vllm_without_the_argument_gets_an_engine_without_it_and_one_warning(
 
 def test_the_undrifted_build_passes_both_arguments(tiny_model_dir: Path) -> None:
     """The same program on the installed vLLM: the drift above is what removes each argument."""
-    result = run_python("DRIFTED_FIELDS = None\n" + BUILD, env={"TINY_MODEL_DIR": str(tiny_model_dir), "TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE"}, with_vllm=True)
+    result = run_python(
+        "DRIFTED_FIELDS = None\n" + BUILD, env={"TINY_MODEL_DIR": str(tiny_model_dir), **PINNED_MODE}, with_vllm=True
+    )
     report = last_json(result)
     assert report["states"]["cudagraph"]["state"] == "applied", result.stderr[-3000:]
     assert "PIECEWISE" in report["compilation_config"]
