@@ -5,14 +5,14 @@ the same step.
 A hang of CUDA-graph replay of Qwen3.5's Gated-DeltaNet *decode* was reported to this project (GPU at 100%, CPU idle,
 SIGTERM ignored) but never reproduced, and nothing public ties plain decode graphs to a hang; the hang documented for
 this stack is FlashInfer's SM90 GDN prefill kernel, outside every graph in every mode (``gdn_prefill`` removes it).
-``PIECEWISE`` costs on every step where it is not needed: decode 0.39x-0.77x vLLM's default graphs on a 2B-class
-Qwen3.5 shape at 16-256 requests per step, 0.75x-0.91x at 9B (H100; docs/gpu-results.md). So by default the fix adds
-nothing to the engine's ``compilation_config`` and arms the protection: after a colocated generate whose engine made
-no progress (the watchdog's report in ``output_dir``), the restart there builds ``PIECEWISE``: in vLLM 0.25.1
-``vllm::qwen_gdn_attention_core`` (conv1d + recurrent attention, prefill and decode) is one of the default splitting
-ops (``CompilationConfig._attention_ops``, ``set_splitting_ops_for_v1``), so every GDN kernel runs between the
-captured pieces (measured on an H200, docs/gpu-results.md section 9: 0 GDN calls during graph capture and 0.998 per
-step and GDN layer, against 504 and 0.032 under vLLM's default graphs); after a second hang at that step, ``NONE``
+``PIECEWISE`` costs on every step where it is not needed: decode 0.39x-0.77x vLLM's default graphs on a 2B-class Qwen3.5
+shape at 16-256 requests per step, 0.75x-0.91x at 9B (H100; docs/gpu-results.md section 11). So by default the fix adds
+nothing to the engine's ``compilation_config`` and arms the protection: after a colocated generate whose engine made no
+progress (the watchdog's report in ``output_dir``), the restart there builds ``PIECEWISE``: in vLLM 0.25.1
+``vllm::qwen_gdn_attention_core`` (conv1d + recurrent attention, prefill and decode) is one of the default splitting ops
+(``CompilationConfig._attention_ops``, ``set_splitting_ops_for_v1``), so every GDN kernel runs between the captured
+pieces (measured on an H200, docs/gpu-results.md section 9: 0 GDN calls during graph capture and 0.998 per step and GDN
+layer, against 504 and 0.032 under vLLM's default graphs); after a second hang at that step, ``NONE``
 (``protection.Level``, declared below). ``TRL_VLM_FIXES_CUDAGRAPH_MODE`` pins a mode from the first step; a hang can
 only raise its protection (``PIECEWISE`` -> ``NONE``), never lower it. The value is injected at the ``LLM(...)`` call
 TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is mutated after the engine exists and
@@ -47,7 +47,7 @@ AUTO = "auto"  # vLLM's own mode until a hang is reported, then the protected mo
 DEFAULT_MODE = AUTO
 HANG_MODE = "PIECEWISE"  # after an engine hang: every Gated-DeltaNet kernel outside the graphs
 PROTECTED_MODE = "NONE"  # after a hang repeated at one step: nothing captured at all
-# measured on an H200 (docs/gpu-results.md, sections 3 and 9)
+# NONE, FULL_DECODE_ONLY: measured on an H200 (docs/gpu-results.md, sections 3, 9); PIECEWISE: an H100 (section 11)
 SPEED_NOTE = {
     "NONE": "no CUDA graphs at all: decode about 3-4x slower than vLLM's default graphs",
     "PIECEWISE": (
