@@ -159,3 +159,31 @@ def test_moe_comparison_against_vllm_loader_on_cpu(tmp_path: Path) -> None:
         assert stale["tensors_within_bf16"] == stale["tensors_compared"] - 1, (family, stale)
         assert len(stale["differing"]) == 1 and "layers.0.mlp.experts" in stale["differing"][0], (family, stale)
         assert any(name.endswith("w13_weight") for name in check["engine_expert_shapes"]), check["engine_expert_shapes"]
+
+
+def test_every_tensor_script_dry_run(tmp_path: Path) -> None:
+    """vLLM's real model classes on the CPU as the colocated engine: after every level-2 sleep whose wake leaves the
+    pool zeroed (``driver``) or NaN, the plugin's push and reset give the fresh engine's prompt log-probs, through
+    ``sync_weights`` and through TRL's ``generate``; with wake_reset off, the deepstack families' text prompt is NaN
+    (their image prompt rewrites its own rows) and the others are unchanged. MoE families skip with ``--no-moe``."""
+    script = GPU / "every_tensor.py"
+    families = "qwen3_5,qwen3_vl,qwen3_vl_moe"
+    report, stdout = _run(script, tmp_path / "every.json", "--stand-in", "--tiny", "--families", families)
+    assert set(report["families"]) == set(families.split(","))
+    for family, result in report["families"].items():
+        assert result["fresh_finite"] and result["fix_states"]["wake_reset"] == "applied", result
+        cycles = result["cycles"]
+        for cycle in ("driver", "nan_pages", "generate_nan_pages"):
+            assert all(r["equal"] and r["nan_positions"] == 0 for p, r in cycles[cycle].items() if p != "seconds")
+        assert set(cycles["generate_nan_pages"]) == {"seconds", "text"} and set(cycles["nan_pages"]) > {"text", "image"}
+        reset = [t["name"] for t in result["plain_tensors"] if t["reset_by_wake_reset"]]
+        contrast = cycles["wake_reset_off_nan_pages"]
+        assert contrast["image"]["equal"]
+        if family.startswith("qwen3_vl"):
+            assert reset == ["deepstack_input_embeds[0]", "deepstack_input_embeds[1]"]
+            assert contrast["text"]["nan_positions"] == contrast["text"]["positions"] > 0
+        else:
+            assert reset == [] and contrast["text"]["equal"]
+        assert family in stdout
+    skipped, _ = _run(script, tmp_path / "skip.json", "--stand-in", "--tiny", "--families", "qwen3_5_moe", "--no-moe")
+    assert skipped["families"] == {"qwen3_5_moe": {"skipped": "not run (--no-moe)"}}

@@ -13,6 +13,7 @@ from . import (
     reload_skip,
     sampling_parity,
     vision_token_guard,
+    wake_reset,
     watchdog,
 )
 
@@ -21,6 +22,7 @@ ALL_FIXES: tuple[Fix, ...] = (
     prompt_parity.FIX,
     sampling_parity.FIX,
     reload_skip.FIX,
+    wake_reset.FIX,
     cudagraph.FIX,
     gdn_prefill.FIX,
     expert_layout.FIX,

@@ -2,7 +2,9 @@
 
 Nothing is downloaded: a byte-level vocabulary with the Qwen special tokens, a 2-layer text model and a 1-block vision
 tower. ``qwen3_5`` (the default) has one Gated-DeltaNet linear-attention layer and one full-attention layer;
-``qwen3_vl`` and ``qwen2_5_vl`` are the other Qwen VLM families whose processors return ``mm_token_type_ids``;
+``qwen3_vl`` and ``qwen2_5_vl`` are the other Qwen VLM families whose processors return ``mm_token_type_ids``
+(Qwen3-VL, dense and MoE, with deepstack as released: a 2-block vision tower whose both blocks feed the two text
+layers, ``DEEPSTACK_VISUAL_INDEXES``);
 ``qwen3_5_moe`` and ``qwen3_vl_moe`` their mixture-of-experts siblings (4 experts, 2 per token; Qwen3.5 MoE with a
 shared expert), with transformers 5's fused expert tensors (``experts.gate_up_proj``, ``experts.down_proj``).
 """
@@ -38,6 +40,9 @@ CHAT_TEMPLATE = (
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
+# Qwen3-VL's deepstack, as every released checkpoint has it (3 levels from a 27-block tower at full size): here each
+# of the 2 vision blocks feeds one of the 2 text layers, so every level reaches the text model (tests/test_every_tensor)
+DEEPSTACK_VISUAL_INDEXES = [0, 1]
 # the text stack of every tiny model here (VLM or text-only): small enough to train in seconds on a CPU
 TINY_TEXT_SHAPE: dict[str, Any] = {
     "hidden_size": 32,
@@ -184,7 +189,11 @@ def build_config(
             "mrope_section": [2, 3, 3],
             "mrope_interleaved": True,
         }
-        vision_config.update(num_position_embeddings=64, deepstack_visual_indexes=[])
+        vision_config.update(
+            num_position_embeddings=64,
+            depth=len(DEEPSTACK_VISUAL_INDEXES),
+            deepstack_visual_indexes=list(DEEPSTACK_VISUAL_INDEXES),
+        )
     else:  # qwen2_5_vl: head_dim is hidden / heads, no interleaving
         text_config.pop("head_dim")
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
