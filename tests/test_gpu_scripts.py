@@ -56,7 +56,7 @@ def test_grpo_end_to_end_script_dry_run(tmp_path: Path) -> None:
     assert on["trained"] and on["weights_trained"] and len(on["rollouts"]) == 4  # 2 rollouts per optimizer step
     assert all(r["trainer_moved_from_original"] for r in on["rollouts"] if r["global_step"] > 0)
     assert all(r["on_current"] for r in on["rollouts"]) and on["disk_reloads"] == 0
-    assert on["engine_cudagraph_mode"] == "PIECEWISE"
+    assert on["engine_cudagraph_mode"] in ("default", "FULL_AND_PIECEWISE")  # vLLM's own mode until a hang
     # vLLM's own processor behind the stand-in: every row identical with prompt_parity, rows of N > 1 pads not without
     assert all(r["identical_rows"] == r["rows"] for r in on["prompt_parity"]) and len(on["prompt_parity"]) == 4
     doubled = [t != e for r in parity_off["prompt_parity"] for t, e in r["image_pads_trainer_vs_engine"]]
@@ -187,3 +187,27 @@ def test_every_tensor_script_dry_run(tmp_path: Path) -> None:
         assert family in stdout
     skipped, _ = _run(script, tmp_path / "skip.json", "--stand-in", "--tiny", "--families", "qwen3_5_moe", "--no-moe")
     assert skipped["families"] == {"qwen3_5_moe": {"skipped": "not run (--no-moe)"}}
+
+
+def test_cudagraph_decode_script_dry_run(tmp_path: Path) -> None:
+    report, _ = _run(
+        GPU / "cudagraph_decode.py", tmp_path / "d.json", "--stand-in", "--tiny", "--shapes", "2b",
+        "--modes", "FULL_AND_PIECEWISE,PIECEWISE", "--batches", "2,4", "--tokens", "4", "--repeats", "1",
+    )  # fmt: skip
+    results = report["shapes"]["2b"]
+    assert results["FULL_AND_PIECEWISE"]["cudagraph_mode_built"] == "FULL_AND_PIECEWISE"
+    assert results["PIECEWISE"]["cudagraph_mode_built"] == "PIECEWISE"
+    assert set(results["PIECEWISE"]["vs_vllm_default"]) == {"2", "4"}
+
+
+def test_hang_restart_script_dry_run(tmp_path: Path) -> None:
+    """A wedged colocated generate exits 75; the restart in the same output_dir builds PIECEWISE and trains on from
+    the checkpoint (a CPU limit of 45 s: a stand-in step on a busy 2-core machine once took over 10 s)."""
+    report, _ = _run(GPU / "hang_restart.py", tmp_path / "h.json", "--stand-in", "--tiny", "--limit", "45", timeout=900)
+    assert report["verdict"] == {
+        "hung_run_exit_75": True,
+        "hung_run_mode": "FULL_AND_PIECEWISE",
+        "restart_mode": "PIECEWISE",
+        "restart_resumed_at_wedge_step": True,
+        "restart_trained_to_the_end": True,
+    }

@@ -259,7 +259,7 @@ def test_grpo_colocate_sleep_mode_end_to_end(make_trainer: Any, monkeypatch: pyt
     assert all(engine_weights_match(engine_state, current) for engine_state, current in records)
     assert not engine_weights_match(engine.checkpoint, records[-1][1]), "training never moved the weights"
     assert engine.disk_reloads == 0
-    assert engine.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert "compilation_config" not in engine.init_kwargs  # cudagraph: vLLM's own mode (no hang reported)
     if upstream_reloads_from_disk():
         logged = [log for log in trainer.state.log_history if "trl_vlm_fixes/weight_repushes" in log]
         assert logged and all(log["trl_vlm_fixes/disk_reloads_skipped"] >= 1 for log in logged)
@@ -310,7 +310,7 @@ def test_engine_arguments_are_ones_the_real_vllm_knows(make_generation: Callable
 
     known = set(inspect.signature(vllm.LLM.__init__).parameters) | {f.name for f in dataclasses.fields(EngineArgs)}
     passed = set(make_generation().llm.init_kwargs)
-    assert {"model", "enable_sleep_mode", "compilation_config"} <= passed
+    assert {"model", "enable_sleep_mode"} <= passed  # (a pinned cudagraph mode's argument: test_vllm_arguments.py)
     assert passed <= known, passed - known
 
 

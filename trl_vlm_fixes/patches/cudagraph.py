@@ -225,7 +225,7 @@ def selftest(context: Any, family: str) -> Any:
 
     def measure() -> dict[str, str]:
         modes = {}
-        for level, reports in _hang_reports(context).items():
+        for level, reports in _hang_reports(context, family).items():
             with protection.building_in(reports):
                 generation = build_generation(context.model_dir(family), context.processor(family))
             modes[level.name] = engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
@@ -252,14 +252,15 @@ def _modes_text(modes: dict[str, str]) -> str:
     return ", ".join(f"{name}: cudagraph_mode={mode}" for name, mode in modes.items())
 
 
-def _hang_reports(context: Any) -> dict[Level, Path]:
+def _hang_reports(context: Any, family: str) -> dict[Level, Path]:
     """An ``output_dir`` per level, holding what the watchdog writes there: nothing, its report of an engine hang at
     step 3, and its report of a second hang at step 3 after a restart (written by its own report writer)."""
     from .watchdog import escalation, report
 
     folders = {}
+    escalation.verdict(None)  # the engine that hangs in these reports was built fresh (not the last family's NONE)
     for level in Level:
-        folder = Path(context.workdir) / f"cudagraph_{level.name.lower()}"
+        folder = Path(context.workdir) / f"cudagraph_{family}_{level.name.lower()}"
         folder.mkdir(parents=True, exist_ok=True)
         folders[level] = folder
     hung = report.HangContext("a wedged generate", 0, 3, None, "(self-test)", "(self-test)", report.ENGINE_STEP)
