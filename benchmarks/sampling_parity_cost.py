@@ -2,12 +2,16 @@
 
     python benchmarks/sampling_parity_cost.py [--hidden 1024] [--layers 8] [--rows 4] [--completion 256]
         [--device cuda --dtype bfloat16]   # on a GPU, at a user's size (benchmarks/gpu/run_issue32.sh cost)
+        [--before PATH]   # also time the tensor core of another copy of the plugin (git HEAD's), same run: ratios
+        [--rule sort]     # on the CPU: vLLM's sort-based top-k/top-p instead of its Triton kernel in Triton's
+                          # interpreter (seconds per row at this vocabulary: not a cost a GPU run pays)
 The fix adds no forward pass: in the no-gradient scoring pass that gives TRL's ``old_per_token_logps`` it takes the
 hidden states that predict each scored token and computes its log-prob under vLLM's processed distribution
 (``patches/sampling_parity/processed.py``): for a ban alone, the banned tokens' logits and the sampled one's
 (gathers) and TRL's own normaliser, a subtraction; with truncation the trainer's own min-p/top-k/top-p over the
-vocabulary, projecting chunks of positions through the output layer again (TRL 1.16's fused head never keeps the
-logits; TRL 1.9.1's are not kept either by the time the log-probs are known). That work is timed here against the
+vocabulary through vLLM's own functions (its processors, its top-k/top-p: the Triton kernel on a GPU), reading TRL
+1.9.1's logits one completion at a time as the fix's hook does, or projecting chunks of positions through the output
+layer again (TRL 1.16's fused head never keeps the logits). That work is timed here against the
 pass itself (the model's forward over prompt + completion and TRL's ``selective_log_softmax``), on the CPU or a GPU
 (``--device cuda``: everything is made there, timings wait for the GPU), with a random Qwen3.5 text stack of the
 given size (3:1 Gated-DeltaNet/full attention, the real vocabulary). Both scale
@@ -37,6 +41,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: timings then wait for the GPU's work")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--chunk-elements", type=int, default=0, help="the fix's chunk size to try (0: its own)")
+    parser.add_argument("--before", default="", help="a plugin checkout whose sampling_parity core is timed too")
+    parser.add_argument("--rule", default="engine", choices=("engine", "sort"), help="top-k/top-p rule on the CPU")
     args = parser.parse_args()
 
     import torch
@@ -44,9 +50,17 @@ def main() -> None:
     from trl.trainer.utils import selective_log_softmax
 
     from trl_vlm_fixes.patches.sampling_parity import processed
-    from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution
-    from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions, score
     from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
+
+    if args.rule == "sort":
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+        from trl_vlm_fixes.patches.sampling_parity import vllm_rule
+
+        vllm_rule.top_k_top_p = lambda logits, k, p: apply_top_k_top_p_pytorch(logits, k, p)  # type: ignore[assignment]
+    cores = {"after": processed}
+    if args.before:
+        cores["before"] = core_of(args.before)
 
     if args.chunk_elements:
         processed.CHUNK_ELEMENTS = args.chunk_elements
@@ -88,29 +102,63 @@ def main() -> None:
     logits, trl_logps = scoring_pass()
     with torch.no_grad():
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, -(keep + 1) : -1]
-    layer = OutputLayer(model.lm_head.weight)
     completion = ids[:, -keep:]
     banned = tuple(range(248_000, 248_008))
-    cases = {
-        "ban (8 placeholders)": SamplingDistribution(temperature=1.0, banned=banned),
-        "top_k=20, top_p=0.95 + ban": SamplingDistribution(temperature=1.0, top_k=20, top_p=0.95, banned=banned),
-        "top_p=0.95 alone": SamplingDistribution(temperature=1.0, top_p=0.95),
-        "min_p=0.05": SamplingDistribution(temperature=1.0, min_p=0.05),
+    cases: dict[str, dict[str, Any]] = {
+        "ban (8 placeholders)": {"banned": banned},
+        "top_k=20, top_p=0.95 + ban": {"top_k": 20, "top_p": 0.95, "banned": banned},
+        "top_p=0.95 alone": {"top_p": 0.95},
+        "min_p=0.05": {"min_p": 0.05},
     }
     tokens = args.rows * keep
     print(
         f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
         f"vocabulary {VOCABULARY:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms "
-        f"(the fix's chunks: {processed.CHUNK_ELEMENTS:,} elements)"
+        f"(the fix's chunks: {processed.CHUNK_ELEMENTS:,} elements; top-k/top-p: {args.rule})"
     )
-    print(f"  {'settings':<28} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
-    for name, distribution in cases.items():
-        cells = []
-        for source in (logits, None):
-            positions = Positions(hidden, layer, source)
-            seconds = timed(lambda p=positions, d=distribution: score(p, completion, d, 1.0).finish(trl_logps))
-            cells.append(f"{seconds * 1e3:7.1f} ms {seconds / seconds_pass:7.2%} {seconds / tokens * 1e6:6.1f} us/t")
-        print(f"  {name:<28} {cells[0]:>30} {cells[1]:>34}")
+    print(f"  {'settings':<28} {'core':<7} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
+    for name, fields in cases.items():
+        measured: dict[str, list[float]] = {}
+        for label, core in cores.items():
+            distribution = core.SamplingDistribution(temperature=1.0, **fields)
+            layer = core.OutputLayer(model.lm_head.weight)
+            seconds = [
+                timed(
+                    lambda c=core, d=distribution, s=source, o=layer: scored(c, hidden, o, s, completion, d, trl_logps)
+                )
+                for source in (logits, None)
+            ]
+            measured[label] = seconds
+            cells = [f"{t * 1e3:7.1f} ms {t / seconds_pass:7.2%} {t / tokens * 1e6:6.1f} us/t" for t in seconds]
+            print(f"  {name:<28} {label:<7} {cells[0]:>30} {cells[1]:>34}")
+        if "before" in measured:
+            ratios = [after / before for after, before in zip(measured["after"], measured["before"], strict=True)]
+            print(f"  {'':<28} {'ratio':<7} {ratios[0]:>29.2f}x {ratios[1]:>33.2f}x  (after / before)")
+
+
+def core_of(checkout: str) -> Any:
+    """The tensor core (``processed`` and ``distribution``) of another copy of the plugin, loaded beside this one."""
+    import importlib
+    import types
+
+    package = types.ModuleType("_before_sampling_parity")
+    package.__path__ = [os.path.join(checkout, "trl_vlm_fixes", "patches", "sampling_parity")]
+    sys.modules[package.__name__] = package
+    core: Any = importlib.import_module(f"{package.__name__}.processed")
+    core.SamplingDistribution = importlib.import_module(f"{package.__name__}.distribution").SamplingDistribution
+    return core
+
+
+def scored(core: Any, hidden: Any, layer: Any, logits: Any, ids: Any, distribution: Any, trl_logps: Any) -> Any:
+    """The fix's work for one model call: TRL's logits read one completion at a time (a view each) as its output
+    layer's hook does, or the hidden states projected (TRL 1.16's fused head)."""
+    if logits is None:
+        return core.score(core.Positions(hidden, layer), ids, distribution, 1.0).finish(trl_logps)
+    parts = [
+        core.score(core.Positions(hidden[row], layer, logits[row]), ids[row], distribution, 1.0)
+        for row in range(logits.size(0))
+    ]
+    return [part.finish(trl_logps[row]) for row, part in enumerate(parts)]
 
 
 if __name__ == "__main__":

@@ -92,58 +92,114 @@ def vllm_sample(logits: torch.Tensor, params: Any) -> tuple[list[int], list[floa
 # (name, settings, the trainer's temperature, the logits' scale: 3 peaked, 0.1 flat)
 CORE_CASES = [
     ("ban", {"logit_bias": {5: -math.inf, 17: -math.inf}}, 1.0, 3.0),
+    # the ban sampled at another temperature than TRL's: not the ban's subtraction (TRL's normaliser is at 1.0)
+    ("ban at another temperature", {"logit_bias": {5: -math.inf}, "temperature": 0.7}, 1.0, 3.0),
     ("top_k", {"top_k": 20}, 1.0, 3.0),
-    ("top_p", {"top_p": 0.95}, 1.0, 3.0),
+    ("top_k=100 top_p", {"top_k": 100, "top_p": 0.8}, 1.0, 3.0),
+    ("top_k=64 top_p", {"top_k": 64, "top_p": 0.99}, 1.0, 3.0),
+    ("top_p", {"top_p": 0.9}, 1.0, 3.0),
     ("min_p", {"min_p": 0.05}, 1.0, 3.0),
+    ("min_p top_p", {"min_p": 0.05, "top_p": 0.95}, 1.0, 3.0),
     ("mix", {"top_k": 20, "top_p": 0.95, "min_p": 0.05, "logit_bias": {5: -math.inf}}, 1.0, 3.0),
     ("bias", {"logit_bias": {3: 2.5, 4: -1.0, 5: -math.inf}, "top_p": 0.9}, 1.0, 3.0),
     ("allowed", {"allowed_token_ids": list(range(40, 400)), "top_k": 50}, 1.0, 3.0),
     ("temperature", {"temperature": 0.7, "top_p": 0.95}, 1.0, 3.0),  # vLLM samples at 0.7, TRL scores at 1.0
-    ("flat top_p", {"top_p": 0.95}, 1.0, 0.1),  # the boundary lies beyond the first candidates: a full sort
+    ("flat top_p", {"top_p": 0.95}, 1.0, 0.1),  # the kept set reaches far down the vocabulary
 ]
+# (the logits' dtype, where the fix reads them, requests per engine step): float32 projected from the hidden states
+# (TRL 1.16's fused head); bf16 read from TRL's logits (TRL 1.9.1 on a bf16 model), in an engine step of 8 or more
+# requests (vLLM's Triton kernel) and of fewer (its sort path, unless the fix's engine wrapper sends it to the kernel)
+PATHS = [("float32", "hidden states", 16), ("bfloat16", "logits", 16), ("bfloat16", "logits", 5)]
 
 
-def output_layer(vocabulary: int, scale: float, hidden: int = 32) -> tuple[torch.Tensor, Any]:
+def output_layer(vocabulary: int, scale: float, hidden: int = 32, dtype: torch.dtype = torch.float32) -> Any:
     """Hidden states of 64 positions and an output layer whose logits have std ~``scale``."""
     torch.manual_seed(0)
     states = torch.randn(64, hidden)
     weight = torch.randn(vocabulary, hidden) * scale / math.sqrt(hidden)
-    return states, processed.OutputLayer(weight)
+    return states.to(dtype), processed.OutputLayer(weight.to(dtype))
 
 
 def trl_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """What TRL's scoring pass computes: the full-vocabulary log-prob of each sampled token."""
-    return torch.log_softmax(logits / temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("source", ["hidden states", "logits"])
-@pytest.mark.parametrize(
-    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES, ids=[c[0] for c in CORE_CASES]
-)
-def test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits(
-    name: str, settings: dict[str, Any], trainer_temperature: float, scale: float, source: str
-) -> None:
-    """TRL's full-vocabulary log-prob plus the shift equals what vLLM's Sampler returns for the token it sampled,
-    whether the logits are projected from the hidden states (TRL 1.16's fused head) or read (TRL 1.9.1)."""
+def processed_against_vllm(
+    logits: torch.Tensor, settings: dict[str, Any], trainer_temperature: float, positions: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(TRL's log-prob + the fix's shift, vLLM's Sampler's processed log-prob, shift, log kept share) for the tokens
+    vLLM's Sampler samples from ``logits``, one request per row."""
     from vllm import SamplingParams
 
-    states, layer = output_layer(5000, scale)  # a vocabulary wider than the top-p candidates
-    logits = states @ layer.weight.T
-    tokens, vllm_logprobs = vllm_sample(logits, SamplingParams(logprobs=0, **{"temperature": 1.0, **settings}))
+    tokens, vllm_logprobs = vllm_sample(logits.float(), SamplingParams(logprobs=0, **{"temperature": 1.0, **settings}))
     distribution = read_distribution({"temperature": 1.0, **settings}, None)
     assert isinstance(distribution, SamplingDistribution)
     ids = torch.tensor(tokens)
     trl_logps = trl_log_probs(logits, ids, trainer_temperature)
-    positions = processed.Positions(states, layer, logits if source == "logits" else None)
     shift, log_kept = processed.score(positions, ids, distribution, trainer_temperature).finish(trl_logps)
-    assert torch.allclose(trl_logps + shift, torch.tensor(vllm_logprobs), atol=1e-5, rtol=0)
+    return trl_logps + shift, torch.tensor(vllm_logprobs), shift, log_kept
+
+
+@pytest.mark.parametrize(("dtype", "source", "rows"), PATHS, ids=[f"{d}-{s}-{r} rows" for d, s, r in PATHS])
+@pytest.mark.parametrize(
+    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES, ids=[c[0] for c in CORE_CASES]
+)
+def test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits(
+    name: str, settings: dict[str, Any], trainer_temperature: float, scale: float, dtype: str, source: str, rows: int
+) -> None:
+    """TRL's full-vocabulary log-prob plus the shift equals what vLLM's Sampler returns for the token it sampled, on
+    float32 logits and on bf16 ones (ties at every cut), whatever the engine step's size, whether the logits are
+    projected from the hidden states (TRL 1.16's fused head) or read (TRL 1.9.1)."""
+    states, layer = output_layer(5000, scale, dtype=getattr(torch, dtype))  # wider than 4,096 (a kernel tile)
+    states = states[:rows]
+    logits = states @ layer.weight.T  # the model's own, in its dtype
+    positions = processed.Positions(states, layer, logits if source == "logits" else None)
+    got, vllm_logprobs, shift, log_kept = processed_against_vllm(logits, settings, trainer_temperature, positions)
+    assert torch.allclose(got, vllm_logprobs, atol=1e-5, rtol=0), (got - vllm_logprobs).abs().max()
     assert bool((log_kept <= 1e-6).all())
-    if name not in ("temperature", "bias"):  # the same temperature and no bias: the shift is -log(kept share)
+    if name not in ("temperature", "bias", "ban at another temperature"):  # shift = -log(kept share)
         assert torch.allclose(shift, -log_kept, atol=1e-5)
 
 
+def tied_rows(rows: int) -> torch.Tensor:
+    """bf16-grid rows whose cut falls inside a run of tied logits: [3, 1, 1, 1, -10, ...] (top_p=0.75 keeps the 3 and
+    only as many of the 1s as reaching 0.75 needs), and rows of 12 values tied at the top-5 boundary."""
+    vocabulary = 600
+    logits = torch.full((rows, vocabulary), -10.0)
+    logits[:, 0], logits[:, 1:4] = 3.0, 1.0
+    logits[1::2, :] = torch.randn(rows - rows // 2, vocabulary).to(torch.bfloat16).float()
+    logits[1::2, 10:22] = 4.0  # 12 tokens tied at the top, top_k=5 keeps exactly 5 of them on the kernel's rule
+    return logits.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [16, 4], ids=["16 requests", "4 requests"])
+@pytest.mark.parametrize("settings", [{"top_p": 0.75}, {"top_k": 5}, {"top_k": 5, "top_p": 0.75}])
+def test_ties_at_the_cut_are_broken_as_vllm_breaks_them(rows: int, settings: dict[str, Any]) -> None:
+    """Ties at the cut on bf16-grid logits: the trainer keeps the tied tokens vLLM's kernel keeps (exactly k at a
+    top-k tie, where keeping every tied token, the old rule, gives -log 12 instead of -log 5), in an engine step of 8
+    or more requests and of fewer (sent to the same kernel by the fix's engine wrapper)."""
+    logits = tied_rows(rows)
+    positions = processed.Positions(torch.zeros(rows, 1), None, logits)
+    got, vllm_logprobs, _, _ = processed_against_vllm(logits, settings, 1.0, positions)
+    assert torch.allclose(got, vllm_logprobs, atol=1e-5, rtol=0), (got - vllm_logprobs).abs().max()
+    if settings == {"top_k": 5}:  # the kernel keeps exactly 5 of the 12 tied tokens (a sort would keep all 12)
+        assert bool((got[1::2] > -math.log(6)).all()), got[1::2]  # -log 5 for a tied token, more for a larger one
+
+
+def test_the_sampled_token_is_kept_where_the_trainers_cut_would_drop_it() -> None:
+    """A token the engine sampled is in its kept set; the trainer's logits can differ by a rounding and put it just
+    outside its own cut: it is kept there too, at its value, not given -inf (TRL would get an infinite ratio)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 8)
+    distribution = SamplingDistribution(temperature=1.0, top_k=2)
+    ids = torch.full((8,), 2)  # outside the top 2
+    scored = processed.score(processed.Positions(torch.zeros(8, 1), None, logits), ids, distribution, 1.0)
+    expected = torch.log_softmax(torch.tensor([3.0, 2.0, 1.0]), -1)[2]
+    assert torch.allclose(scored.processed, expected.expand(8), atol=1e-6)
+
+
 @pytest.mark.parametrize(
-    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES[:6], ids=[c[0] for c in CORE_CASES[:6]]
+    ("name", "settings", "trainer_temperature", "scale"), CORE_CASES[::3], ids=[c[0] for c in CORE_CASES[::3]]
 )
 def test_a_default_dtype_set_by_the_user_changes_nothing(
     name: str, settings: dict[str, Any], trainer_temperature: float, scale: float
@@ -220,11 +276,14 @@ def test_a_chunked_ban_scores_the_dominant_positions_of_every_chunk(
     dominant = torch.softmax(logits.double(), -1)[:, 7] > 0.5
     assert dominant[40:48].any()
     starts: list[int] = []
-    ban = processed._ban
-    monkeypatch.setattr(processed, "_ban", lambda p, index, *a: starts.append(index.start) or ban(p, index, *a))
+    sampled = processed.Positions.sampled
+    monkeypatch.setattr(
+        processed.Positions, "sampled", lambda self, index, i: starts.append(index.start) or sampled(self, index, i)
+    )
     monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 1000)  # a few positions per chunk, one full row at a time
     shift, _ = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
-    assert starts[0] == 0 and max(start for start in starts if start <= 40) > 0  # 40-47: not the first chunk
+    if source == "hidden states":  # gathers of TRL's logits need no chunks; projections of hidden states do
+        assert starts[0] == 0 and max(start for start in starts if start <= 40) > 0  # 40-47: not the first chunk
     assert torch.allclose(trl_logps + shift, vllm_logprobs, atol=1e-5, rtol=0)
 
 
@@ -256,8 +315,11 @@ def test_trls_logits_are_read_in_place_never_copied(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(processed, "Positions", recording)
     distribution = SamplingDistribution(temperature=1.0, top_k=20, banned=(3, 9))
     backbone = Backbone()
-    with fix._scored_positions(backbone, head, layer, 15, distribution, 1.0) as scored:
+    with fix._scored_positions(
+        torch.nn.Identity(), backbone, head, layer, 15, processed.Scorer(distribution, 1.0)
+    ) as p:
         logits = head(backbone(input_ids=ids).last_hidden_state)
+    scored = p.scored
     assert seen and all(pointer == logits.untyped_storage().data_ptr() for pointer, _ in seen)
     assert sum(count for _, count in seen) == 4 * 15 * 997  # every scored position, each once
     trl_logps = trl_log_probs(logits[:, :-1].reshape(-1, 997), ids[:, 1:].reshape(-1)).reshape(4, 15)
@@ -274,11 +336,10 @@ def test_chunks_give_what_one_pass_gives_and_stay_small(monkeypatch: pytest.Monk
     positions = processed.Positions(states, layer)
     whole = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
     seen: list[int] = []
-    for name in ("view", "rows"):  # every [positions x vocabulary] tensor the fix makes
-        method = getattr(processed.Positions, name)
-        monkeypatch.setattr(
-            processed.Positions, name, lambda self, i, m=method: seen.append(m(self, i).numel()) or m(self, i)
-        )
+    rows = processed.Positions.rows  # every [positions x vocabulary] tensor the fix makes
+    monkeypatch.setattr(
+        processed.Positions, "rows", lambda self, i: seen.append(rows(self, i).numel()) or rows(self, i)
+    )
     monkeypatch.setattr(processed, "CHUNK_ELEMENTS", 10 * 997)
     parts = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
     assert max(seen) <= 10 * 997 and len(seen) >= 7  # 64 positions, 10 per chunk
@@ -455,3 +516,264 @@ def test_server_mode_ratio_is_one_with_the_fix(
     assert upstream[IS_MEAN] < 0.6, upstream
     assert abs(with_fix[IS_MEAN] - 1.0) < 1e-5 and abs(with_fix[IS_MIN] - 1.0) < 1e-5, with_fix
     assert with_fix[LOGP_MAX] < 1e-5
+
+
+# --- bf16-grid logits on both sides, 8 or more requests per engine step ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The peaked tiny Qwen3.5 VLM, for the tests whose logits lie on bf16's grid (only they serve it: the engine
+    stand-in keeps one served model per checkpoint, built with the rounding)."""
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("bf16-grid"), sharpness=20.0)
+
+
+@pytest.fixture
+def bf16_grid_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Qwen3.5 VLM built during the test (the trainer's, the engine stand-in's) gives logits on bf16's grid, as
+    a bf16 model's output layer does: ties at every cut, on both sides."""
+    import transformers
+
+    model_class = transformers.Qwen3_5ForConditionalGeneration
+    post_init = model_class.post_init
+
+    def rounding_post_init(self: Any) -> None:
+        post_init(self)
+        head = self.get_output_embeddings()
+        head.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16).to(output.dtype))
+
+    monkeypatch.setattr(model_class, "post_init", rounding_post_init)
+
+
+BF16_SETTINGS = [
+    ("top_p", {"top_p": 0.9}),
+    ("top_k=64 top_p", {"top_k": 64, "top_p": 0.99}),
+    ("min_p top_p", {"min_p": 0.05, "top_p": 0.95}),
+    ("top_k ties", {"top_k": 5}),
+]
+
+
+@pytest.mark.parametrize(("name", "settings"), BF16_SETTINGS, ids=[s[0] for s in BF16_SETTINGS])
+def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
+    name: str,
+    settings: dict[str, Any],
+    bf16_model_dir: Path,
+    bf16_grid_logits: None,
+    tmp_path: Path,
+    standin_engine: None,
+    one_fix_off: Callable[[str], None],
+) -> None:
+    """What a real run serves: bf16-grid logits (ties at the cut) on engine and trainer, and engine steps of 8
+    requests (vLLM's Triton kernel) ending in steps of fewer as sequences finish (its sort path upstream)."""
+    from trl_vlm_fixes.selftest.fixtures import text_dataset
+
+    batch = {"per_device_train_batch_size": 8, "num_generations": 2, "dataset": text_dataset()}  # 8 requests
+    batch["max_completion_length"] = 24  # the upstream weight is below 0.95 already; the interpreter is slow
+    with_fix = logged(train_one_step(bf16_model_dir, tmp_path / "on", settings, **batch))
+    one_fix_off("sampling_parity")
+    upstream = logged(train_one_step(bf16_model_dir, tmp_path / "off", settings, **batch))
+    assert upstream[IS_MEAN] < 0.95, upstream
+    for key in (IS_MIN, IS_MEAN, IS_MAX):
+        assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
+    assert with_fix[LOGP_MAX] < 1e-5, with_fix
+
+
+# --- the temperature of generation_kwargs -------------------------------------------------------------------------
+
+
+def test_a_sampling_temperature_other_than_trls_is_compared_at_the_sampling_temperature(
+    peaked_model_dir: Path, tmp_path: Path, standin_engine: None, one_fix_off: Callable[[str], None]
+) -> None:
+    """generation_kwargs temperature 0.7, GRPOConfig's 1.0, nothing banned or cut (the guard off): vLLM's
+    log-probs are at 0.7, TRL's at 1.0, so TRL's ratio is the temperature's; with the fix both are at 0.7."""
+    one_fix_off("vision_token_guard")
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", {"temperature": 0.7}))
+    one_fix_off("sampling_parity")
+    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", {"temperature": 0.7}))
+    assert abs(upstream[IS_MEAN] - 1.0) > 0.05 and upstream[LOGP_MEAN] > 1e-2, upstream
+    for key in (IS_MIN, IS_MEAN, IS_MAX):
+        assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
+    assert abs(with_fix[KEPT] - 1.0) < 1e-6  # nothing cut
+
+
+# --- the off-policy mask ------------------------------------------------------------------------------------------
+
+
+def varied_reward(completions: list[Any], **_: Any) -> list[float]:
+    """Any two different completions score differently (the length alone ties at max_completion_length)."""
+    return [(sum(ord(c) for c in str(completion)) % 997) / 997 for completion in completions]
+
+
+@pytest.mark.parametrize("correction", [True, False], ids=["correction on", "correction off"])
+def test_the_off_policy_mask_compares_like_with_like(
+    correction: bool,
+    peaked_model_dir: Path,
+    tmp_path: Path,
+    standin_engine: None,
+    one_fix_off: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TRL's off-policy mask compares the sampling log-probs with the policy's over the full vocabulary: vLLM's
+    processed ones (top_k=5) look off-policy by -log(kept share) per token, and every negative-advantage completion
+    is dropped upstream, with the importance-sampling correction on or off. With the fix, identical weights drop
+    nothing, and a run with the correction off logs no ratio (TRL's outputs are as TRL makes them)."""
+    from trl import GRPOTrainer
+
+    masks: list[torch.Tensor] = []
+    original = GRPOTrainer.get_off_policy_mask
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        mask = original(*args, **kwargs)
+        masks.append(mask.detach().clone())
+        return mask
+
+    monkeypatch.setattr(GRPOTrainer, "get_off_policy_mask", staticmethod(recording))
+    overrides: dict[str, Any] = {"off_policy_mask_threshold": 0.05, "vllm_importance_sampling_correction": correction}
+    overrides["reward_funcs"] = varied_reward  # every group of different completions has a negative advantage
+    sampling = {"top_k": 5, "seed": None}  # one seed for every request would sample a group's two completions alike
+    trainer = train_one_step(peaked_model_dir, tmp_path / "on", sampling, **overrides)
+    fixed, masks[:] = list(masks), []
+    one_fix_off("sampling_parity")
+    train_one_step(peaked_model_dir, tmp_path / "off", sampling, **overrides)
+    assert masks and any(not bool(mask.all()) for mask in masks), masks  # upstream: some completions dropped
+    assert fixed and all(bool(mask.all()) for mask in fixed), fixed
+    logs = [log for log in trainer.state.log_history if KEPT in log]
+    assert logs and 0 < logs[0][KEPT] < 0.999
+    assert (IS_MEAN in logs[0]) == correction and (LOGP_MEAN in logs[0]) == correction, logs[0]
+
+
+# --- ZeRO-3 / FSDP ------------------------------------------------------------------------------------------------
+
+
+def test_a_sharded_output_layer_is_no_reason_to_step_aside_where_trls_logits_are_there(
+    peaked_model_dir: Path, tmp_path: Path, standin_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ZeRO-3 (or FSDP) the output layer's weight is not whole on a rank; TRL 1.9.1's scoring pass still gives
+    the full logits, so the fix reads them (the vocabulary from their size) and the weight is never touched."""
+    from trl import GRPOTrainer
+
+    build = GRPOTrainer.__init__
+
+    def sharded(self: Any, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        weight = self.model.get_output_embeddings().weight
+        weight.ds_numel = weight.numel()  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
+        monkeypatch.setattr(processed.OutputLayer, "__init__", lambda *a: pytest.fail("the weight was used"))
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", sharded)
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}))
+    for key in (IS_MIN, IS_MEAN, IS_MAX):
+        assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
+    assert 0 < with_fix[KEPT] < 0.999
+
+
+def test_a_sharded_output_layer_under_a_fused_head_steps_aside_with_its_reason() -> None:
+    """TRL 1.16's fused head makes no logits: the hidden states would have to be projected with the whole weight."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import sampling_parity as fix
+
+    hidden = torch.randn(2, 6, 8)
+
+    class Backbone(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return SimpleNamespace(last_hidden_state=hidden)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = Backbone()
+
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return self.backbone(input_ids=input_ids)  # a fused head: the output layer never runs
+
+    model = Model()
+    scorer = processed.Scorer(SamplingDistribution(temperature=1.0, top_k=5), 1.0)
+    with fix._scored_positions(model, model.backbone, torch.nn.Linear(8, 50), None, 4, scorer) as scored:
+        model(torch.randint(0, 50, (2, 6)))
+    assert scored.problem is not None and "sharded" in scored.problem and not scored.scored
+
+
+def test_a_fused_heads_hidden_states_are_scored_as_each_model_call_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL 1.16: each model call's hidden states are scored when that call returns, so none outlives its call (the
+    old code kept every call's until the pass ended: 0.7 GB at 16 x 5k tokens x 4096 in bf16)."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import sampling_parity as fix
+
+    class Backbone(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return SimpleNamespace(last_hidden_state=torch.randn(*input_ids.shape, 8))
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = Backbone()
+
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            return self.backbone(input_ids=input_ids)
+
+    model = Model()
+    layer = processed.OutputLayer(torch.randn(50, 8))
+    scorer = processed.Scorer(SamplingDistribution(temperature=1.0, top_k=5), 1.0)
+    counts: list[int] = []
+    with fix._scored_positions(model, model.backbone, torch.nn.Linear(8, 50), layer, 4, scorer) as scored:
+        for _ in range(3):  # three TRL chunks
+            model(torch.randint(0, 50, (2, 6)))
+            counts.append(len(scored.scored))
+    assert counts == [1, 2, 3], counts  # each call scored as it returned, not at the end of the pass
+
+
+# --- what TRL hands on, and what the guard's words ban ------------------------------------------------------------
+
+
+def test_the_kept_share_counts_only_the_policys_tokens_not_a_tools() -> None:
+    """Tool results inside a completion (``tool_mask`` 0) were not sampled: the kept-share metric leaves them out, as
+    TRL's own ratio does."""
+    from trl_vlm_fixes import metrics
+    from trl_vlm_fixes.patches import sampling_parity as fix
+
+    owner = torch.nn.Module()  # any object the metrics may keep state beside (a trainer in a run)
+    rollout = fix._Rollout()
+    rollout.trl_logps = torch.full((2, 4), -1.0)
+    rollout.shift = torch.zeros(2, 4)
+    rollout.processed_logps = rollout.trl_logps
+    rollout.log_kept = torch.log(torch.tensor([[0.5, 0.5, 1.0, 1.0], [0.5, 0.5, 0.5, 1.0]]))
+    tool_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    output = {"completion_mask": torch.ones(2, 4), "tool_mask": tool_mask}
+    fix._hand_on(owner, rollout, output)
+    counts = metrics.drain(owner)
+    assert counts[KEPT] / counts[KEPT + metrics._COUNT] == pytest.approx(0.5)  # the policy's 5 tokens, all at 0.5
+
+
+class WordTokenizer:
+    """A tokenizer whose words have a second form after a space (``Ġcat``), as byte-level BPE vocabularies do."""
+
+    vocabulary = {
+        "cat": [11],
+        " cat": [12],
+        "dog": [13],
+        " dog": [13],
+        "<|image_pad|>": [14],
+        " <|image_pad|>": [15, 14],
+    }
+    max_token_id = 20
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.vocabulary[text])
+
+
+def test_a_bad_word_bans_its_space_prefixed_form_as_vllm_does() -> None:
+    """vLLM's ``SamplingParams.update_from_tokenizer`` bans a word and, where it is another token of the same length,
+    its form after a space: the trainer bans the same token ids."""
+    from vllm import SamplingParams
+
+    words = ["cat", "dog", "<|image_pad|>"]
+    params = SamplingParams(bad_words=words)
+    params.update_from_tokenizer(WordTokenizer())
+    vllm_banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+    distribution = read_distribution({"bad_words": words}, WordTokenizer())
+    assert isinstance(distribution, SamplingDistribution)
+    assert set(distribution.banned) == set(distribution.bad_word_ids) == vllm_banned == {11, 12, 13, 14}

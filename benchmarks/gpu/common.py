@@ -274,6 +274,13 @@ def use_engine(stand_in: bool) -> None:
         setattr(vllm_generation, "LLM", StandInLLM)  # noqa: B010 - vllm_generation.LLM is typed as the real class
         return
     prepare_single_process_colocate()
+    if os.environ.get("ENGINE_EAGER") == "1":  # no torch.compile or graph capture: starts in seconds (device time)
+        import functools
+
+        import trl.generation.vllm_generation as vllm_generation
+        from vllm import LLM
+
+        setattr(vllm_generation, "LLM", functools.partial(LLM, enforce_eager=True))  # noqa: B010 - as above
     trl_vlm_fixes.REGISTRY.import_targets()
     if trl_vlm_fixes.status()["patches"]["gdn_prefill"]["state"] != "applied":
         force_triton_gdn_prefill()  # the bundles lack FlashInfer; with the plugin, gdn_prefill picks Triton itself

@@ -7,6 +7,14 @@ and the request state of ``vllm.v1.worker.gpu_input_batch.InputBatch``: the requ
 returned log-probability is taken after all of them, renormalised over the tokens that survive. This module runs
 exactly that code on the CPU, so the engine stand-in reports what the real engine reports.
 
+vLLM's top-k/top-p rule depends on the step: on CUDA, ``apply_top_k_top_p`` sends a step of 8 or more requests
+through its Triton kernel (``apply_top_k_top_p_triton``) and fewer through its sort path. Without a GPU vLLM has no
+Triton, so while a step is sampled (``cuda_dispatch``) its ``topk_topp_sampler`` module sees ``HAS_TRITON`` true,
+that kernel run by Triton's interpreter with the CUDA tiles (``sampling_parity.kernel_copy``) and a platform that is
+not a CPU: vLLM's own dispatch then picks the path the GPU engine picks, and the plugin's engine wrapper, when on,
+reads the same globals. They are put back after every step. Where the installed vLLM's kernel is not the one the
+copy was proven on, the module is left alone (its sort path at every step) and ``dispatch_note`` says why.
+
 On a machine without a CUDA driver, vLLM's platform is ``UnspecifiedPlatform``, which claims pinned host memory; vLLM
 reads that once, at import, into ``PIN_MEMORY`` globals. Pinning needs a driver, so ``_unpin`` sets those globals to
 False (a GPU engine pins; nothing else about sampling depends on it).
@@ -17,6 +25,8 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -45,11 +55,64 @@ def engine_tokenizer(model_dir: str) -> Any:
         return get_tokenizer(model_dir)
 
 
+_SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+_DISPATCH_GLOBALS = ("HAS_TRITON", "apply_top_k_top_p_triton", "current_platform")
+
+
+class _NotCpu:
+    """vLLM's platform as its sampler module sees it on a GPU: not a CPU (everything else is the real platform's)."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
+
+
+def dispatch_note() -> str | None:
+    """Why the stand-in cannot take the GPU engine's top-k/top-p paths here (vLLM's sort path at every step), or
+    None where it takes them."""
+    from ..patches.sampling_parity import kernel_copy
+
+    return kernel_copy.why_no_copy()
+
+
+@contextmanager
+def cuda_dispatch() -> Iterator[None]:
+    """While it is open, vLLM's sampler module dispatches as on CUDA with Triton (see the module docstring)."""
+    import importlib
+
+    from ..patches.sampling_parity import kernel_copy
+
+    module = importlib.import_module(_SAMPLER_MODULE)
+    scope = vars(module)
+    if dispatch_note() is not None or (scope["HAS_TRITON"] and not scope["current_platform"].is_cpu()):
+        yield  # no proven kernel copy, or a real GPU engine's module: nothing to stand in for
+        return
+    saved = {name: scope[name] for name in _DISPATCH_GLOBALS if name in scope}
+    scope["HAS_TRITON"] = True
+    scope["apply_top_k_top_p_triton"] = kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES)
+    if saved["current_platform"].is_cpu():
+        scope["current_platform"] = _NotCpu(saved["current_platform"])
+    try:
+        yield
+    finally:
+        for name in _DISPATCH_GLOBALS:
+            if name in saved:
+                scope[name] = saved[name]
+            else:
+                scope.pop(name, None)
+
+
 @dataclass
 class SampledToken:
     token_id: int
     logprob: float  # processed: after every logits processor, top-k/top-p and temperature, renormalised
     rank: int  # 1-based rank of the sampled token among the processed log-probs
+    kept: int | None = None  # tokens the processed distribution keeps (finite log-probs); None: not vLLM's sampler
 
 
 @dataclass
@@ -78,7 +141,8 @@ class VllmSampler:
         self._processors = lambda: LogitsProcessors(
             processor(config, torch.device("cpu"), False) for processor in BUILTIN_LOGITS_PROCESSORS
         )
-        self.sampler = Sampler(logprobs_mode="processed_logprobs")
+        with cuda_dispatch():  # the top-k/top-p sampler picks its forward by platform: the CUDA one, forward_native
+            self.sampler = Sampler(logprobs_mode="processed_logprobs")
 
     def new_batch(self, requests: list[Request], tokenizer: Any) -> _Batch:
         """The requests of one ``generate`` as vLLM's persistent batch holds them (finished ones leave it)."""
@@ -133,9 +197,11 @@ class _Batch:
         batch.refresh_metadata()
         order = batch.req_ids
         rows = torch.stack([logits[request_id].to(torch.float32) for request_id in order])
-        output = self._sampler(rows, batch.sampling_metadata)
+        with cuda_dispatch():  # every running request in one call, as one engine step: vLLM picks the path by count
+            output = self._sampler(rows, batch.sampling_metadata)
         tensors = output.logprobs_tensors  # every token: column 0 the sampled one, then all by rank
         result = {}
+        kept = (tensors.logprobs[:, 1:] > float("-inf")).sum(dim=1).tolist()
         for row, request_id in enumerate(order):
             if request_id in scripted:
                 token = scripted[request_id]
@@ -146,7 +212,7 @@ class _Batch:
                 token = int(output.sampled_token_ids[row, 0])
                 logprob = float(tensors.logprobs[row, 0])
                 rank = int(tensors.selected_token_ranks[row])
-            result[request_id] = SampledToken(token, logprob, rank)
+            result[request_id] = SampledToken(token, logprob, rank, kept[row])
         return result
 
     def append(self, request: Request, token_id: int) -> None:

@@ -17,11 +17,18 @@ The fix, in GRPO's ``_generate_and_score_completions`` (where TRL scores a rollo
   ``SamplingParams`` (``distribution.py``);
 - the scoring pass that gives TRL's ``old_per_token_logps`` (the first, no-gradient forward of the trainer's model
   there) also gives, from the same logits, each sampled token's log-prob under that distribution at its temperature
-  (``processed.py``: a subtraction for a ban alone; the trainer's own top-k/top-p/min-p otherwise, in chunks, without
-  gradient). TRL computes its ratio, ``sampling/sampling_logp_difference`` and the ratio metrics from those;
+  (``processed.py``: a subtraction for a ban alone at TRL's temperature; otherwise vLLM's own functions in its
+  sampler's order, its top-k/top-p the one every engine step takes, ``vllm_rule``/``engine_sampler``). TRL computes
+  its ratio, ``sampling/sampling_logp_difference`` and the ratio metrics from those;
 - what TRL hands to the loss is put back as TRL meant it: ``old_per_token_logps`` is TRL's own (the policy loss stays
   TRL's), and ``sampling_per_token_logps`` (read by the off-policy mask against the full-vocabulary policy) becomes
-  vLLM's log-prob plus the same shift, i.e. vLLM's sampling log-prob expressed over the full vocabulary.
+  vLLM's log-prob plus the same shift, i.e. vLLM's sampling log-prob expressed over the full vocabulary. With the
+  off-policy mask on and the correction off, TRL's rollout runs that scoring pass as with the correction on, and
+  what TRL would not have made (the ratio, its metrics, old log-probs TRL leaves to the loss) is taken out again.
+
+Where ``generation_kwargs`` sets another temperature than ``GRPOConfig.temperature``, vLLM samples (and reports its
+log-probs) at the former and TRL scores at the latter: the fix compares both at the sampling temperature, so the
+ratio measures the engine/trainer mismatch only; the policy loss keeps TRL's own log-probs at its temperature.
 
 ``trl_vlm_fixes/sampling_kept_mass`` reports the mean share of the trainer's distribution the settings keep, per
 sampled token (1.0: nothing truncated). Settings whose effect depends on what was generated so far (penalties,
@@ -49,6 +56,7 @@ from ...log_once import warn_once
 from ...logs import fix_logger
 from ...source_shape import function_tree, string_constants
 from .distribution import SamplingDistribution, effective_settings, read_distribution
+from .engine_sampler import ENGINE_SAMPLER_TARGET
 
 LOGGER = fix_logger(__name__)
 SAMPLING_KEPT_MASS = Counter("trl_vlm_fixes/sampling_kept_mass", kind="mean")
@@ -124,26 +132,83 @@ def _logprobs_mode(generation: Any) -> str | None:
 def _trainer_steps_aside(trainer: Any) -> str | None:
     if not getattr(trainer, "use_vllm", False):
         return "use_vllm is off: TRL samples with transformers and compares no vLLM log-probs"
-    if not getattr(trainer, "vllm_importance_sampling_correction", False):
-        return "vllm_importance_sampling_correction is off: TRL computes no importance-sampling ratio"
+    if not _ratio_on(trainer) and not _mask_on(trainer):
+        return (
+            "vllm_importance_sampling_correction is off and off_policy_mask_threshold unset: TRL compares no vLLM "
+            "log-probs"
+        )
     return None
+
+
+def _ratio_on(trainer: Any) -> bool:
+    return bool(getattr(trainer, "vllm_importance_sampling_correction", False))
+
+
+def _mask_on(trainer: Any) -> bool:
+    return getattr(trainer, "off_policy_mask_threshold", None) is not None
 
 
 def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """GRPO's ``_generate_and_score_completions``: the rollout's distribution, TRL's ratio from processed log-probs,
-    and TRL's own tensors handed on to the loss."""
+    and TRL's own tensors handed on to the loss (the off-policy mask's sampling log-probs in full-vocabulary terms)."""
     if reason := _trainer_steps_aside(instance):
         _step_aside(type(instance).__name__, reason, logging.INFO)
         return wrapped(*args, **kwargs)
     rollout = _Rollout()
     token = _current.set(rollout)
     try:
-        output = wrapped(*args, **kwargs)
+        with _old_logps_scored(instance) as upstream_would:
+            output = wrapped(*args, **kwargs)
     finally:
         _current.reset(token)
-    if rollout.processed_logps is not None and isinstance(output, dict):
-        _hand_on(instance, rollout, output)
+    if isinstance(output, dict):
+        upstream_would(output)
+        if rollout.processed_logps is not None:
+            _hand_on(instance, rollout, output)
     return output
+
+
+_RATIO_METRICS = tuple(
+    f"sampling/{name}" for name in ("sampling_logp_difference/mean", "sampling_logp_difference/max")
+) + tuple(f"sampling/importance_sampling_ratio/{name}" for name in ("min", "mean", "max"))
+
+
+@contextmanager
+def _old_logps_scored(trainer: Any) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """With the off-policy mask on and the correction off, TRL's rollout may score no old log-probs, and the mask
+    would compare vLLM's processed log-probs with the full-vocabulary policy. For the rollout, TRL runs its scoring
+    pass as with the correction on (its ``vllm_importance_sampling_correction`` read as True); then what TRL would not
+    have made is taken out again: the ratio, its metrics, and old log-probs TRL would have left to the loss."""
+    if _ratio_on(trainer):
+        yield lambda output: None
+        return
+    metrics_before = {
+        mode: {key: len(values[key]) for key in _RATIO_METRICS if key in values}
+        for mode, values in getattr(trainer, "_metrics", {}).items()
+    }
+    args = getattr(trainer, "args", None)
+    generate_every = getattr(args, "steps_per_generation", 1) * getattr(trainer, "num_iterations", 1)
+    trl_scores_old = getattr(args, "gradient_accumulation_steps", 1) % generate_every != 0
+
+    def upstream_would(output: dict[str, Any]) -> None:
+        output.pop("importance_sampling_ratio", None)
+        if not trl_scores_old:
+            output.pop("old_per_token_logps", None)
+        for mode, values in getattr(trainer, "_metrics", {}).items():
+            for key in _RATIO_METRICS:
+                if key in values:
+                    before = metrics_before.get(mode, {}).get(key)
+                    if before is None:
+                        del values[key]
+                    else:
+                        del values[key][before:]
+
+    setting = trainer.vllm_importance_sampling_correction
+    trainer.vllm_importance_sampling_correction = True
+    try:
+        yield upstream_would
+    finally:
+        trainer.vllm_importance_sampling_correction = setting
 
 
 def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -170,14 +235,21 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         result = wrapped(*args, **kwargs)  # vLLM sampled the full distribution: nothing to shift, all of it kept
         shift = log_kept = torch.zeros_like(result[0], dtype=torch.float32)
     else:
+        from .processed import Scorer
+
         keep = int(bound.arguments.get("logits_to_keep") or 0)
-        with _scored_positions(*parts, keep, distribution, trainer_temperature) as scored:
+        scorer = Scorer(distribution, trainer_temperature)
+        with _scored_positions(*parts, keep, scorer) as pass_:
             result = wrapped(*args, **kwargs)
-        if len(scored) == 0 or sum(part.processed.numel() for part in scored) != result[0].numel():
-            reason = "the scoring pass did not give one hidden state per scored token"
+        reason = pass_.problem or (
+            "the scoring pass did not give one hidden state per scored token"
+            if not pass_.scored or sum(part.processed.numel() for part in pass_.scored) != result[0].numel()
+            else None
+        )
+        if reason:
             _step_aside(type(instance).__name__, reason, logging.WARNING)
             return result
-        shift, log_kept = _finished(scored, result[0])
+        shift, log_kept = _finished(pass_.scored, result[0])
     logps = result[0]
     _announce(distribution)
     rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
@@ -185,10 +257,14 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return (rollout.processed_logps, *result[1:])
 
 
-def _model_parts(model: Any) -> tuple[Any, Any, Any] | str:
-    """(the backbone whose last hidden states the output layer projects, the output layer module, its projection),
-    or why they cannot be used: the output layer must be whole on this rank and a plain projection (no logit scale
-    or softcap)."""
+_SHARDED = "the output layer is sharded across ranks (FSDP or DeepSpeed ZeRO-3)"
+
+
+def _model_parts(model: Any) -> tuple[Any, Any, Any, Any] | str:
+    """(the model TRL calls, unwrapped; the backbone whose last hidden states the output layer projects; the output
+    layer module; its projection, or None where its weight is sharded: TRL 1.9.1's logits are then read, and only
+    TRL 1.16's fused head, which makes none, needs the whole weight), or why they cannot be used: the output layer
+    must be a plain projection (no logit scale or softcap)."""
     from .processed import OutputLayer
 
     inner = model
@@ -201,26 +277,33 @@ def _model_parts(model: Any) -> tuple[Any, Any, Any] | str:
     weight = getattr(head, "weight", None)
     if head is None or backbone is None or backbone is inner or weight is None:
         return f"{type(inner).__name__} has no output layer over a backbone to read"
-    if weight.dim() != 2 or type(weight).__name__ == "DTensor" or getattr(weight, "ds_numel", None) is not None:
-        return "the output layer is sharded across ranks (FSDP or DeepSpeed ZeRO-3)"
     text = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
         if getattr(text, name, None) not in (None, 1.0):
             return f"the model scales its logits ({name})"
-    return backbone, head, OutputLayer(weight, getattr(head, "bias", None))
+    sharded = weight.dim() != 2 or type(weight).__name__ == "DTensor" or getattr(weight, "ds_numel", None) is not None
+    layer = None if sharded else OutputLayer(weight, getattr(head, "bias", None))
+    return inner, backbone, head, layer
+
+
+@dataclass
+class _Pass:
+    """What one scoring pass gave: a ``Scored`` per TRL model call (or per row of it), or why it could not."""
+
+    scored: list[Any] = field(default_factory=list)
+    problem: str | None = None
 
 
 @contextmanager
-def _scored_positions(
-    backbone: Any, head: Any, layer: Any, keep: int, distribution: SamplingDistribution, trainer_temperature: float
-) -> Iterator[list[Any]]:
+def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: int, scorer: Any) -> Iterator[_Pass]:
     """While TRL's pass runs, each of its model calls (one per TRL chunk) also scores its last ``keep`` tokens: the
     backbone's forward hook takes the hidden states that predict them; where the output layer then runs (TRL 1.9.1),
-    its hook scores them from its logits before TRL divides those in place, else (TRL 1.16's fused head) they are
-    scored from the hidden states right after the call. TRL's tensors are only read."""
-    from .processed import Positions, score
+    its hook scores them from its logits before TRL divides those in place, else (TRL 1.16's fused head) the model's
+    own forward hook scores them from the hidden states as the call returns, so no call's hidden states outlive it.
+    TRL's tensors are only read."""
+    from .processed import Positions
 
-    scored: list[Any] = []
+    pass_ = _Pass()
     waiting: list[tuple[Any, Any, int]] = []  # (hidden states, sampled ids, kept) of the call in progress
 
     def on_backbone(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
@@ -234,17 +317,27 @@ def _scored_positions(
     def on_head(module: Any, args: Any, output: Any) -> None:
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
             hidden, ids, kept = waiting.pop()
+            logits = output[:, -(kept + 1) : -1, :]
+            if scorer.ban_alone:  # gathers from the whole call's logits at once
+                pass_.scored.append(scorer.score(Positions(hidden, layer, logits), ids))
+                return
             for row in range(output.size(0)):  # one row's positions are a view of TRL's logits; several, a copy
-                positions = Positions(hidden[row], layer, output[row, -(kept + 1) : -1, :])
-                scored.append(score(positions, ids[row], distribution, trainer_temperature))
+                pass_.scored.append(scorer.score(Positions(hidden[row], layer, logits[row]), ids[row]))
+
+    def on_model(module: Any, args: Any, output: Any) -> None:
+        while waiting:  # the output layer never ran on them (a fused head): project the hidden states
+            hidden, ids, _ = waiting.pop(0)
+            if layer is None:
+                pass_.problem = f"{_SHARDED} and TRL's fused output layer gives no logits to read"
+                continue
+            pass_.scored.append(scorer.score(Positions(hidden, layer), ids))
 
     handles = [backbone.register_forward_hook(on_backbone, with_kwargs=True)]
     handles.append(head.register_forward_hook(on_head))
+    handles.append(inner.register_forward_hook(on_model))
     try:
-        yield scored
-        while waiting:  # the output layer never ran on them (a fused head): project the hidden states
-            hidden, ids, _ = waiting.pop(0)
-            scored.append(score(Positions(hidden, layer), ids, distribution, trainer_temperature))
+        yield pass_
+        on_model(inner, (), None)  # a call whose model forward was not ``inner``'s own
     finally:
         for handle in handles:
             handle.remove()
@@ -422,6 +515,7 @@ FIX = Fix(
     targets=(
         *on_trainers({_ROLLOUT: rollout_wrapper, _SCORING: scoring_wrapper}, **_CHECKS),
         Target(_GENERATION_MODULE, "VLLMGeneration.generate", record_wrapper, required_parameters=("prompts",)),
+        ENGINE_SAMPLER_TARGET,
     ),
     counters=(SAMPLING_KEPT_MASS,),
     selftest=selftest,

@@ -65,6 +65,7 @@ class SamplingDistribution:
     top_p: float = 1.0
     min_p: float = 0.0
     banned: tuple[int, ...] = ()  # a -inf logit_bias or a one-token bad word
+    bad_word_ids: tuple[int, ...] = ()  # the one-token bad words among them (vLLM bans them with apply_bad_words)
     biases: tuple[tuple[int, float], ...] = ()  # finite logit_bias, added before the temperature
     allowed: tuple[int, ...] | None = None  # allowed_token_ids: every other token is banned
 
@@ -122,11 +123,13 @@ def read_distribution(settings: dict[str, Any], tokenizer: Any) -> SamplingDistr
         elif bias != 0:
             biases[int(token)] = float(bias)
     words = list(settings.get("bad_words") or [])
+    bad_word_ids: set[int] = set()
     if words:
         sequences = bad_word_token_ids(words, tokenizer)
         if isinstance(sequences, str):
             return sequences
-        banned.update(sequence[0] for sequence in sequences)
+        bad_word_ids.update(sequence[0] for sequence in sequences)
+    banned |= bad_word_ids
     allowed = settings.get("allowed_token_ids")
     top_k = int(settings.get("top_k") or 0)
     return SamplingDistribution(
@@ -135,6 +138,7 @@ def read_distribution(settings: dict[str, Any], tokenizer: Any) -> SamplingDistr
         top_p=1.0 if settings.get("top_p") is None else float(settings["top_p"]),
         min_p=float(settings.get("min_p") or 0.0),
         banned=tuple(sorted(banned)),
+        bad_word_ids=tuple(sorted(bad_word_ids)),
         biases=tuple(sorted((t, b) for t, b in biases.items() if t not in banned)),
         allowed=tuple(sorted({int(t) for t in allowed})) if allowed else None,
     )

@@ -1,44 +1,37 @@
 """Tensor core of sampling_parity: the trainer's log-probability of each sampled token under vLLM's processed
-distribution, from the hidden states of the scoring pass TRL already runs and the model's own output layer.
+distribution, from the logits of the scoring pass TRL already runs (or the hidden states that give them).
 
-vLLM's sampler (0.25.1, ``processed_logprobs``) returns log p(t) over the tokens its settings keep:
-``allowed_token_ids`` and bans set the others to -inf, ``logit_bias`` is added, the temperature divides, then
-``min_p``, top-k and top-p cut (in that order), and the result is renormalised. Each cut keeps exactly the tokens
-whose logit is at least a per-position threshold, so the kept set is ``y >= tau`` with ``tau`` the largest of the
-three thresholds:
+vLLM 0.25.1's ``Sampler`` (``processed_logprobs``) turns a request's logits into the distribution it samples from
+with its own functions, in this order: float32; the ``allowed_token_ids`` mask (as ``InputBatch`` builds it);
+``apply_bad_words``; the ``LogitBiasLogitsProcessor``; ``Sampler.apply_temperature``; the ``MinPLogitsProcessor``;
+top-k/top-p (``vllm_rule.top_k_top_p``: the one function every engine step takes, its Triton kernel on CUDA); a
+float32 log-softmax. Where the distribution is cut or biased, the trainer's logits go through those same functions,
+driven through the processors' real ``update_state``/``apply`` (``VllmSteps``): the rule is vLLM's by construction
+(its ties, its kernel's pivot search), not a re-implementation. The sampled token is always kept: a numerical
+difference between trainer and engine can put it just outside the trainer's own cut.
 
-- min_p keeps p_i >= min_p * p_max, i.e. y_i >= y_max + log(min_p);
-- top-k keeps the k largest (ties included);
-- top-p keeps a token while the mass of the kept tokens ranked above it is below p (vLLM sorts ascending and drops
-  those whose cumulative mass is at most 1 - p, always keeping the largest): found among the largest candidates
-  (``torch.topk`` of 64, then of 2,048), with a full sort only for a row whose boundary lies beyond them.
-
-The logits are read, a chunk of positions at a time and without gradient, from the model's own where its output
-layer ran (TRL 1.9.1) or projected from the hidden states that predict each scored token (TRL 1.16's fused head never
-materializes them), so no second tensor of the full [tokens x vocabulary] size is ever held. A ban alone (at TRL's
-own temperature) needs no pass over the vocabulary: the banned tokens' logits and the sampled one's are gathered,
-the normaliser is TRL's own (its log-prob of the sampled token), and the kept share is 1 minus the banned share, a
-subtraction; only a position where the banned share may be most of the mass (where that subtraction would lose
-float32's digits) gets its logits to sum the kept tokens directly. The sampled token is always kept (a numerical
-difference can put it just outside the trainer's own cut).
+The logits are read a chunk of positions at a time and without gradient, from the model's own where its output layer
+ran (TRL 1.9.1) or projected from the hidden states that predict each scored token (TRL 1.16's fused head never
+materializes them): one float32 copy of a chunk is the largest tensor. Nothing on this path reads a value back to the
+host. A ban alone at TRL's own temperature needs no pass over the vocabulary: the banned tokens' logits and the sampled
+one's are gathered, the normaliser is TRL's own (its log-prob of the sampled token), and the kept share is 1 minus the
+banned share, a subtraction; only a position where the banned share may be most of the mass (where that subtraction
+would lose float32's digits) gets its logits to sum the kept tokens directly (one ``nonzero`` per call of the model).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from .distribution import SamplingDistribution
 
-# logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens; a row that needs the full sort
-# adds its values and int64 indices: 1.8-1.9 GiB at the peak, measured on the CPU). Each chunk costs a fixed ~2.4 ms
-# on an H100 (kernel launches and host syncs, by our reading; not profiled): at a 9B-class shape, bf16, 2,048 scored
-# tokens, truncation took 76.5 ms in chunks of 2**24 and 19.2 ms in chunks of 2**26 (benchmarks/
-# sampling_parity_cost.py, docs/gpu-results.md section 10).
+# logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
 CHUNK_ELEMENTS = 1 << 26
-TOP_P_CANDIDATES = (64, 2048)  # largest logits looked at for the top-p boundary, before a full sort
 DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens are summed directly
 
 
@@ -62,46 +55,63 @@ class OutputLayer:
 
 
 class Positions:
-    """The logits of the scored positions: read from the model's own where its output layer ran (TRL 1.9.1), else
-    projected from the hidden states that predict them (TRL 1.16's fused head keeps none), a chunk at a time."""
+    """The logits of the scored positions: read from the model's own where its output layer ran (TRL 1.9.1: a view
+    of TRL's [rows, positions, vocabulary] logits, never copied whole; the layer may then be sharded, ``layer``
+    None), else projected from the hidden states that predict them (TRL 1.16's fused head), a chunk at a time."""
 
-    def __init__(self, hidden: torch.Tensor, layer: OutputLayer, logits: torch.Tensor | None = None) -> None:
+    def __init__(self, hidden: torch.Tensor, layer: OutputLayer | None, logits: torch.Tensor | None = None) -> None:
         self.hidden = hidden.reshape(-1, hidden.size(-1))
         self.layer = layer
-        self.raw = logits.reshape(-1, logits.size(-1)) if logits is not None else None
+        self.raw = None if logits is None else logits.unsqueeze(0) if logits.dim() == 2 else logits
+        if self.raw is None and layer is None:
+            raise ValueError("positions without logits need the whole output layer")
 
     def __len__(self) -> int:
         return self.hidden.size(0)
 
-    def view(self, index: slice) -> torch.Tensor:
-        """[rows, vocabulary] in the model's dtype, to be read only (TRL's own logits, or a fresh projection)."""
+    @property
+    def vocabulary(self) -> int:
+        """Read from the logits where they are there (a sharded output layer's weight is not whole on this rank)."""
         if self.raw is not None:
-            return self.raw[index]
-        logits = self.hidden[index].to(self.layer.weight.dtype) @ self.layer.weight.T
-        return logits if self.layer.bias is None else logits + self.layer.bias
+            return int(self.raw.size(-1))
+        return self._layer().vocabulary
+
+    def _layer(self) -> OutputLayer:
+        assert self.layer is not None
+        return self.layer
+
+    def _one_row(self) -> torch.Tensor:
+        """The logits as [positions, vocabulary], a view: only one row of TRL's batch is one view."""
+        assert self.raw is not None and self.raw.size(0) == 1, "slices are read from one row's logits"
+        return self.raw[0]
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         """[rows, vocabulary] float32, a copy the caller may overwrite."""
-        if self.raw is not None:
-            return self.raw[index].to(torch.float32, copy=True)
-        return self.layer.logits(self.hidden[index])
+        if self.raw is None:
+            return self._layer().logits(self.hidden[index])
+        if isinstance(index, slice):
+            return self._one_row()[index].to(torch.float32, copy=True)
+        width = self.raw.size(1)
+        return self.raw[index // width, index % width].to(torch.float32)
 
     def columns(self, index: slice, token_ids: torch.Tensor) -> torch.Tensor:
         """[rows, k] float32: the logits of ``token_ids`` [k] at the rows ``index`` (never a row in full)."""
         if self.raw is not None:
-            return self.raw[index].index_select(1, token_ids).to(torch.float32)
-        logits = self.hidden[index].to(torch.float32) @ self.layer.weight[token_ids].to(torch.float32).T
-        bias = self.layer.bias
-        return logits if bias is None else logits + bias[token_ids].to(torch.float32)
+            return self.raw.index_select(2, token_ids).reshape(-1, token_ids.numel())[index].to(torch.float32)
+        layer = self._layer()
+        logits = self.hidden[index].to(torch.float32) @ layer.weight[token_ids].to(torch.float32).T
+        return logits if layer.bias is None else logits + layer.bias[token_ids].to(torch.float32)
 
     def sampled(self, index: slice, ids: torch.Tensor) -> torch.Tensor:
-        """[rows] float32: each row's logit of its own token ``ids``."""
+        """[rows] float32: each row's logit of its own token; ``ids`` are those of the rows ``index``."""
         if self.raw is not None:
-            return self.raw[index].gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32)
-        rows = self.layer.weight[ids].to(torch.float32)
-        logits = (self.hidden[index].to(torch.float32) * rows).sum(dim=-1)
-        bias = self.layer.bias
-        return logits if bias is None else logits + bias[ids].to(torch.float32)
+            if self.raw.size(0) == 1:
+                return self._one_row()[index].gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32)
+            assert ids.numel() == len(self), "several rows of TRL's logits are read whole"
+            return self.raw.gather(2, ids.reshape(*self.raw.shape[:2], 1)).reshape(-1).to(torch.float32)
+        layer = self._layer()
+        logits = (self.hidden[index].to(torch.float32) * layer.weight[ids].to(torch.float32)).sum(dim=-1)
+        return logits if layer.bias is None else logits + layer.bias[ids].to(torch.float32)
 
 
 @dataclass
@@ -126,32 +136,169 @@ class Scored:
         return processed - trl, log_kept
 
 
-@torch.no_grad()
+class VllmSteps:
+    """vLLM 0.25.1's sampler steps for ``rows`` requests sampled with one distribution, built from vLLM's own classes
+    as the engine's ``InputBatch`` builds them (one ``SamplingParams`` added to each row through a
+    ``BatchUpdateBuilder``), and applied in the ``Sampler``'s order."""
+
+    def __init__(self, distribution: SamplingDistribution, rows: int, vocabulary: int, device: torch.device) -> None:
+        from vllm import SamplingParams
+        from vllm.utils import torch_utils
+        from vllm.v1.sample.logits_processor import BatchUpdateBuilder
+        from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+        self.distribution = distribution
+        bias = {token: -math.inf for token in distribution.banned if token not in distribution.bad_word_ids}
+        bias.update(dict(distribution.biases))
+        params = SamplingParams(
+            temperature=distribution.temperature,
+            top_k=distribution.top_k,
+            top_p=distribution.top_p,
+            min_p=distribution.min_p,
+            logit_bias=bias or None,
+            allowed_token_ids=list(distribution.allowed) if distribution.allowed is not None else None,
+        )
+        if not torch.cuda.is_available():  # vLLM's platform guess claims pinned memory, which needs a CUDA driver
+            torch_utils.PIN_MEMORY = False
+        config: Any = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=rows))
+        self.processors = [  # the Sampler's order: non-argmax-invariant (logit_bias), then min_p after temperature
+            LogitBiasLogitsProcessor(config, device, False),
+            MinPLogitsProcessor(config, device, False),
+        ]
+        builder = BatchUpdateBuilder()
+        builder.added.extend((row, params, [], []) for row in range(rows))
+        batch_update = builder.get_and_reset(rows)
+        for processor in self.processors:
+            processor.update_state(batch_update)
+        self.disallowed: torch.Tensor | None = None
+        if distribution.allowed is not None:  # InputBatch: True (filled with -inf) but at the allowed ids
+            self.disallowed = torch.ones(1, vocabulary, dtype=torch.bool, device=device)
+            self.disallowed[0, list(distribution.allowed)] = False
+        self.bad_words = [[token] for token in distribution.bad_word_ids]
+        self.temperature = torch.full((rows,), distribution.temperature, dtype=torch.float32, device=device)
+        # InputBatch: k=None unless some request has 0 < top_k < vocabulary, p=None unless some has top_p < 1
+        top_k = distribution.top_k if 0 < distribution.top_k < vocabulary else 0
+        self.k = torch.full((rows,), top_k, dtype=torch.int32, device=device) if top_k else None
+        top_p = distribution.top_p
+        self.p = torch.full((rows,), top_p, dtype=torch.float32, device=device) if top_p < 1 else None
+        bias_ids = [token for token, _ in distribution.biases]
+        self.bias_ids = torch.tensor(bias_ids, dtype=torch.long, device=device)
+        self.bias_values = torch.tensor([value for _, value in distribution.biases], device=device)
+
+    def processed(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(processed log-prob of each row's token ``ids``, log of the share of the plain distribution at the sampling
+        temperature that survives) from float32 ``logits`` [rows, vocabulary], which this overwrites."""
+        from vllm.v1.sample.ops.bad_words import apply_bad_words
+        from vllm.v1.sample.sampler import Sampler
+
+        from .vllm_rule import top_k_top_p
+
+        bias, min_p = self.processors
+        ids = ids.unsqueeze(1)
+        temperature = self.distribution.temperature
+        raw_sampled = logits.gather(1, ids) / temperature
+        plain_lse = _logsumexp_scaled(logits, temperature)
+        if self.disallowed is not None:
+            logits.masked_fill_(self.disallowed, -math.inf)
+        if self.bad_words:  # one-token words ban a column: vLLM's own function on the transposed rows, all at once
+            apply_bad_words(logits.T.unsqueeze(0), {0: self.bad_words}, [[]])
+        logits = bias.apply(logits)
+        logits = Sampler.apply_temperature(logits, self.temperature, True)
+        before_cut = logits.gather(1, ids)
+        logits = min_p.apply(logits)
+        logits = top_k_top_p(logits, self.k, self.p)
+        # the sampled token is always kept, at its value before the cuts (before the bans too, if they took it)
+        after = logits.gather(1, ids)
+        restored = torch.where(before_cut == -math.inf, raw_sampled, before_cut)
+        logits.scatter_(1, ids, torch.where(after == -math.inf, restored, after))
+        sampled = logits.gather(1, ids).squeeze(1)
+        kept_lse = torch.logsumexp(logits, dim=-1)
+        processed = sampled - kept_lse
+        if self.bias_ids.numel():  # the kept share is of the distribution without biases: take them off the kept
+            biased = logits.index_select(1, self.bias_ids) - kept_lse[:, None]
+            plain = biased - self.bias_values / temperature
+            remainder = 1 - torch.exp(biased).sum(-1) + torch.exp(plain).sum(-1)
+            kept_lse = kept_lse + torch.log(remainder.clamp(min=1e-30))
+        return processed, kept_lse - plain_lse
+
+
+def _logsumexp_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp(logits / temperature) over the vocabulary, without a scaled copy where temperature is 1."""
+    if temperature == 1.0:
+        return torch.logsumexp(logits, dim=-1)
+    return torch.logsumexp(logits / temperature, dim=-1)
+
+
+class Scorer:
+    """One scoring pass's state: the distribution, TRL's temperature, and vLLM's sampler steps per chunk size."""
+
+    def __init__(self, distribution: SamplingDistribution, trainer_temperature: float) -> None:
+        self.distribution = distribution
+        self.trainer_temperature = trainer_temperature
+        self._steps: dict[tuple[int, int, torch.device], VllmSteps] = {}
+
+    @property
+    def ban_alone(self) -> bool:
+        """A ban at TRL's own temperature: TRL's normaliser and a subtraction, no pass over the vocabulary."""
+        distribution = self.distribution
+        plain = not (distribution.truncates or distribution.biases or distribution.allowed is not None)
+        return plain and distribution.temperature == self.trainer_temperature
+
+    def steps(self, rows: int, vocabulary: int, device: torch.device) -> VllmSteps:
+        key = (rows, vocabulary, device)
+        if key not in self._steps:
+            self._steps[key] = VllmSteps(self.distribution, rows, vocabulary, device)
+        return self._steps[key]
+
+    @torch.no_grad()
+    def score(self, positions: Positions, token_ids: torch.Tensor) -> Scored:
+        """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
+        ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
+        if self.ban_alone:
+            # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
+            width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
+            whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
+            return self._ban(positions, ids, [slice(0, len(positions))] if whole else _chunks(len(positions), width))
+        parts = []
+        for index in _chunks(len(positions), positions.vocabulary):
+            logits = positions.rows(index)
+            steps = self.steps(logits.size(0), logits.size(1), logits.device)
+            parts.append(steps.processed(logits, ids[index]))
+        processed, log_kept = (torch.cat(values) for values in zip(*parts, strict=True))
+        nan = torch.full_like(processed, math.nan)
+        return Scored(processed, log_kept, nan, nan.clone())
+
+    def _ban(self, positions: Positions, ids: torch.Tensor, chunks: list[slice]) -> Scored:
+        """The ban alone at TRL's temperature, from gathers: the sampled token's logit and the banned tokens' (no
+        [positions x vocabulary] tensor, so thousands of positions per chunk); full logits only for the positions
+        whose banned share may be most of the mass, found with one ``nonzero`` over all of them."""
+        distribution = self.distribution
+        temperature = distribution.temperature
+        sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
+        nan = torch.full_like(sampled, math.nan)
+        if not distribution.banned:
+            return Scored(nan, nan.clone(), sampled, torch.full_like(sampled, -math.inf))
+        banned_ids = torch.tensor(distribution.banned, device=ids.device)
+        banned = torch.cat([positions.columns(index, banned_ids) for index in chunks]) / temperature
+        banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
+        banned_lse = torch.logsumexp(banned, dim=-1)
+        # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
+        share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
+        processed, log_kept = nan, nan.clone()
+        dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
+        for part in _chunks(dominant.numel(), positions.vocabulary):
+            chosen = dominant[part]
+            logits = positions.rows(chosen)
+            exact = self.steps(logits.size(0), logits.size(1), logits.device).processed(logits, ids[chosen])
+            processed[chosen], log_kept[chosen] = exact
+        return Scored(processed, log_kept, sampled, banned_lse)
+
+
 def score(
     positions: Positions, token_ids: torch.Tensor, distribution: SamplingDistribution, trainer_temperature: float
 ) -> Scored:
-    """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
-    ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
-    if _ban_alone(distribution, trainer_temperature):
-        # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
-        chunks = _chunks(len(positions), len(distribution.banned) + 3 * positions.hidden.size(-1))
-        parts = [_ban(positions, index, ids[index], distribution) for index in chunks]
-        return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in Scored.__dataclass_fields__))
-    general = distribution.biases or distribution.allowed is not None
-    cut = [
-        _processed_general(positions.rows(index), ids[index], distribution)
-        if general
-        else _cuts(positions, index, ids[index], distribution)
-        for index in _chunks(len(positions), positions.layer.vocabulary)
-    ]
-    processed, log_kept = (torch.cat(values) for values in zip(*cut, strict=True))
-    nan = torch.full_like(processed, math.nan)
-    return Scored(processed, log_kept, nan, nan.clone())
-
-
-def _ban_alone(distribution: SamplingDistribution, trainer_temperature: float) -> bool:
-    plain = not (distribution.truncates or distribution.biases or distribution.allowed is not None)
-    return plain and distribution.temperature == trainer_temperature
+    """One scoring of ``positions`` (a ``Scorer`` of its own: tests and benchmarks)."""
+    return Scorer(distribution, trainer_temperature).score(positions, token_ids)
 
 
 def _chunks(count: int, width: int) -> list[slice]:
@@ -159,174 +306,3 @@ def _chunks(count: int, width: int) -> list[slice]:
     vocabulary for the cuts and the full rows; for the ban alone, far fewer (so thousands of positions per chunk)."""
     rows = max(1, CHUNK_ELEMENTS // width)
     return [slice(start, min(start + rows, count)) for start in range(0, count, rows)]
-
-
-def _ban(positions: Positions, index: slice, ids: torch.Tensor, distribution: SamplingDistribution) -> Scored:
-    """The ban alone at TRL's temperature, from gathers: the sampled token's logit and the banned tokens' (no
-    [positions x vocabulary] tensor, so thousands of positions per chunk: few kernel launches and host syncs on a
-    GPU); full logits only for a position whose banned share may be most of the mass, a chunk of them at a time."""
-    temperature = distribution.temperature
-    sampled = positions.sampled(index, ids) / temperature
-    nan = torch.full_like(sampled, math.nan)
-    if not distribution.banned:
-        return Scored(nan, nan.clone(), sampled, torch.full_like(sampled, -math.inf))
-    banned_ids = torch.tensor(distribution.banned, device=ids.device)
-    banned = positions.columns(index, banned_ids) / temperature
-    banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
-    banned_lse = torch.logsumexp(banned, dim=-1)
-    # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
-    share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
-    processed, log_kept = nan, nan.clone()
-    dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
-    for part in _chunks(dominant.numel(), positions.layer.vocabulary):
-        chosen = dominant[part]
-        exact = _processed_general(positions.rows(chosen + (index.start or 0)), ids[chosen], distribution)
-        processed[chosen], log_kept[chosen] = exact
-    return Scored(processed, log_kept, sampled, banned_lse)
-
-
-def _cuts(
-    positions: Positions, index: slice, ids: torch.Tensor, distribution: SamplingDistribution
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bans and the three cuts without a sort or a copy of the logits: the kept tokens are found among the largest
-    (``torch.topk``), the normaliser of the full distribution is one logsumexp. A row whose kept set reaches beyond
-    the candidates goes through ``_processed_general``."""
-    raw = positions.view(index)
-    temperature = distribution.temperature
-    plain_lse = _logsumexp_float(raw, temperature)
-    sampled = raw.gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32) / temperature
-    banned = torch.tensor(distribution.banned, dtype=torch.long, device=ids.device)
-    count = min(raw.size(1), max(TOP_P_CANDIDATES[0], distribution.top_k) + banned.numel())
-    values, tokens = torch.topk(raw, count, dim=-1)
-    values = values.to(torch.float32) / temperature
-    if banned.numel():
-        values.masked_fill_(torch.isin(tokens, banned), -math.inf)
-        values = values.sort(dim=-1, descending=True).values
-        banned_values = raw.index_select(1, banned).to(torch.float32) / temperature
-        survivors_lse = _log_sub_exp(plain_lse, torch.logsumexp(banned_values, dim=-1))  # all but the banned
-    else:
-        survivors_lse = plain_lse
-    threshold = torch.full((raw.size(0),), -math.inf, dtype=torch.float32, device=raw.device)
-    if distribution.min_p > 0:
-        threshold = torch.maximum(threshold, values[:, 0] + math.log(distribution.min_p))
-    if 0 < distribution.top_k < raw.size(1):
-        threshold = torch.maximum(threshold, values[:, distribution.top_k - 1])
-    # the tokens above the threshold are all candidates when the last candidate is below it
-    inside = values[:, -1] < threshold
-    if distribution.top_p < 1.0:
-        lse = torch.where(
-            inside, torch.logsumexp(values.masked_fill(values < threshold[:, None], -math.inf), -1), survivors_lse
-        )
-        boundary, resolved = _top_p_boundary(values, threshold[:, None], lse[:, None], distribution.top_p)
-        threshold = torch.maximum(threshold, boundary.squeeze(1))
-        inside = resolved & (values[:, -1] < threshold)
-    kept_values = values.masked_fill(values < threshold[:, None], -math.inf)
-    left_out = sampled < threshold  # the sampled token is always kept
-    kept_lse = torch.logsumexp(kept_values, dim=-1)
-    kept_lse = torch.where(left_out, torch.logaddexp(kept_lse, sampled), kept_lse)
-    processed, log_kept = sampled - kept_lse, kept_lse - plain_lse
-    outside = (~inside).nonzero().squeeze(1)
-    if outside.numel():  # the kept set reaches beyond the candidates: the full computation for those rows
-        start = index.start or 0
-        processed[outside], log_kept[outside] = _processed_general(
-            positions.rows(outside + start), ids[outside], distribution
-        )
-    return processed, log_kept
-
-
-def _logsumexp_float(raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logsumexp over the vocabulary in float32, a few rows at a time (no float32 copy of a whole chunk)."""
-    if raw.dtype == torch.float32 and temperature == 1.0:
-        return torch.logsumexp(raw, dim=-1)
-    step = max(1, raw.size(0) // 8)
-    return torch.cat(
-        [
-            torch.logsumexp(raw[i : i + step].to(torch.float32) / temperature, dim=-1)
-            for i in range(0, raw.size(0), step)
-        ]
-    )
-
-
-def _log_sub_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """log(exp(a) - exp(b)) for a > b."""
-    return a + torch.log1p(-torch.exp(b - a).clamp(max=1.0))
-
-
-def _processed_general(
-    logits: torch.Tensor, ids: torch.Tensor, distribution: SamplingDistribution
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(processed log-prob of each row's token, log kept share) from raw logits [rows, vocab], as vLLM applies its
-    settings: allowed ids, bans, biases, temperature, then the three cuts. ``logits`` is overwritten."""
-    ids = ids.unsqueeze(1)
-    y = logits.div_(distribution.temperature)  # the model's distribution at the sampling temperature
-    plain_lse = torch.logsumexp(y, dim=-1)
-    plain_sampled = y.gather(1, ids).squeeze(1)
-    if distribution.allowed is not None:
-        outside = torch.ones(y.size(1), dtype=torch.bool, device=y.device)
-        outside[torch.tensor(distribution.allowed, device=y.device)] = False
-        y.masked_fill_(outside, -math.inf)
-    bias_ids = None
-    if distribution.biases:
-        bias_ids = torch.tensor([token for token, _ in distribution.biases], device=y.device)
-        bias = torch.tensor([value for _, value in distribution.biases], dtype=y.dtype, device=y.device)
-        bias = bias / distribution.temperature
-        y.index_add_(1, bias_ids, bias.expand(y.size(0), -1))
-    sampled = y.gather(1, ids)  # its value before bans and cuts: "always kept" restores it
-    if distribution.banned:
-        y.index_fill_(1, torch.tensor(distribution.banned, device=y.device), -math.inf)
-    y.masked_fill_(y < _threshold(y, distribution), -math.inf)
-    y.scatter_(1, ids, sampled)
-    processed = sampled.squeeze(1) - torch.logsumexp(y, dim=-1)
-    # the kept share, measured on the distribution without biases: undo them on the kept tokens
-    if bias_ids is not None:
-        kept = y > -math.inf
-        y.index_add_(1, bias_ids, -bias.expand(y.size(0), -1))
-        y.masked_fill_(~kept, -math.inf)
-        y.scatter_(1, ids, plain_sampled.unsqueeze(1))
-    return processed, torch.logsumexp(y, dim=-1) - plain_lse
-
-
-def _threshold(y: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
-    """The smallest logit min_p, then top-k, then top-p keep, per row [rows, 1] (-inf: all)."""
-    threshold = torch.full((y.size(0), 1), -math.inf, dtype=y.dtype, device=y.device)
-    if distribution.min_p > 0:
-        threshold = torch.maximum(threshold, y.amax(dim=-1, keepdim=True) + math.log(distribution.min_p))
-    if 0 < distribution.top_k < y.size(1):
-        kth = torch.topk(y, distribution.top_k, dim=-1).values[:, -1:]
-        threshold = torch.maximum(threshold, kth)
-    if distribution.top_p < 1.0:
-        threshold = torch.maximum(threshold, _top_p_threshold(y, threshold, distribution))
-    return threshold
-
-
-def _top_p_threshold(y: torch.Tensor, threshold: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
-    """The smallest logit top-p keeps among the tokens at or above ``threshold``."""
-    survivors_lse = torch.logsumexp(y.masked_fill(y < threshold, -math.inf), dim=-1, keepdim=True)
-    boundary = torch.empty_like(threshold)
-    rows = torch.arange(y.size(0), device=y.device)
-    for candidates in TOP_P_CANDIDATES:
-        count = min(y.size(1), max(candidates, distribution.top_k))
-        values = torch.topk(y[rows], count, dim=-1).values  # descending
-        found, resolved = _top_p_boundary(values, threshold[rows], survivors_lse[rows], distribution.top_p)
-        boundary[rows[resolved]] = found[resolved]
-        rows = rows[~resolved]
-        if not rows.numel():
-            return boundary
-    full = torch.sort(y[rows], dim=-1, descending=True).values  # the boundary lies beyond every candidate
-    boundary[rows] = _top_p_boundary(full, threshold[rows], survivors_lse[rows], distribution.top_p)[0]
-    return boundary
-
-
-def _top_p_boundary(
-    values: torch.Tensor, threshold: torch.Tensor, survivors_lse: torch.Tensor, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(smallest kept value [rows, 1], whether it was found among ``values``) for descending ``values``."""
-    valid = values >= threshold
-    probabilities = torch.exp(values - survivors_lse) * valid
-    cumulative = torch.cumsum(probabilities, dim=-1)
-    kept = valid & (cumulative - probabilities < top_p)
-    kept[:, 0] = True  # the largest is always kept
-    last = kept.sum(dim=-1, keepdim=True) - 1
-    boundary = values.gather(1, last)
-    resolved = (cumulative[:, -1] >= top_p) | ~valid[:, -1] | (values.size(1) == 1)
-    return boundary, resolved

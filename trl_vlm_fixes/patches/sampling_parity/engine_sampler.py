@@ -1,0 +1,99 @@
+"""The engine side of sampling_parity: every sampling step takes one knowable top-k/top-p rule.
+
+vLLM 0.25.1's ``apply_top_k_top_p`` (``vllm/v1/sample/ops/topk_topp_sampler.py``, what ``forward_native`` calls on
+CUDA for TRL's ``logprobs_mode="processed_logprobs"``) picks its rule by the number of requests in the step:
+``HAS_TRITON and logits.shape[0] >= 8`` -> ``apply_top_k_top_p_triton`` (exactly k tokens at a top-k tie, an
+approximate top-p cut), else ``apply_top_k_top_p_pytorch`` (every tied token kept, the cut by sorted position). A
+GRPO rollout starts with 8 or more sequences and ends with fewer as they finish, so a completion's late tokens were
+sampled under the other rule, and nobody outside the engine knows which step held how many requests.
+
+The wrapper sends every step through the module's own ``apply_top_k_top_p_triton`` where the module has Triton (read
+from the wrapped function's module globals at call time, where ``forward_native`` reads them, so the engine stand-in
+can set them); elsewhere it calls vLLM's function unchanged, and says so once. For 8 or more requests that is the
+call vLLM makes itself; the cost for fewer is ``benchmarks/gpu/sampler_path.py``'s. vLLM >= 0.31 sends every size to
+the kernel itself: the target is then not needed. Torch-free: the wrapper touches no tensor.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ...call_arguments import bind
+from ...declaration import Target
+from ...log_once import warn_once
+from ...logs import fix_logger
+from ...source_shape import calls_name, function_tree
+
+LOGGER = fix_logger(__name__)
+MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+KERNEL = "apply_top_k_top_p_triton"
+SORT = "apply_top_k_top_p_pytorch"
+
+
+def _why_not_routed(scope: dict[str, Any]) -> str | None:
+    """Why this engine's steps stay on vLLM's own dispatch (it has no Triton kernel to send them to), or None. (On
+    vLLM's CPU platform with Triton, vLLM itself sends every step to the kernel: routing there changes nothing.)"""
+    if not scope.get("HAS_TRITON") or KERNEL not in scope:
+        return "vLLM has no Triton here: every step takes its sort-based top-k/top-p (apply_top_k_top_p_pytorch)"
+    return None
+
+
+def send_every_step_through_triton(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``apply_top_k_top_p(logits, k, p)``: the Triton kernel whatever the step's size, where vLLM has it."""
+    arguments = bind(wrapped, args, kwargs).arguments
+    if arguments.get("k") is None and arguments.get("p") is None:
+        return wrapped(*args, **kwargs)
+    scope: dict[str, Any] = getattr(wrapped, "__globals__", {})
+    if reason := _why_not_routed(scope):
+        warn_once(
+            ("engine_sampler", reason), "engine sampler left as vLLM's: %s", reason, logger=LOGGER, level=logging.INFO
+        )
+        return wrapped(*args, **kwargs)
+    return scope[KERNEL](arguments["logits"], arguments.get("k"), arguments.get("p"))
+
+
+def _compares_batch_size(tree: ast.AST) -> bool:
+    """Does the dispatch compare ``<tensor>.shape[0]`` (a step's number of requests) with anything?"""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = (node.left, *node.comparators)
+            if any(
+                isinstance(s, ast.Subscript) and isinstance(s.value, ast.Attribute) and s.value.attr == "shape"
+                for s in sides
+            ):
+                return True
+    return False
+
+
+def dispatch_problem(function: Callable[..., Any]) -> str | None:
+    """Why ``apply_top_k_top_p`` is no longer a choice between vLLM's kernel and its sort path, or None."""
+    tree = function_tree(function)
+    if tree is None:
+        return "its source cannot be read"
+    missing = [name for name in (KERNEL, SORT) if not calls_name(tree, name)]
+    if missing:
+        return f"it no longer calls {', '.join(missing)}"
+    return None
+
+
+def every_step_on_kernel(function: Callable[..., Any]) -> str | None:
+    """vLLM already sends every step through the kernel where it has Triton (0.31: no batch-size test), or None."""
+    tree = function_tree(function)
+    if tree is None or dispatch_problem(function) or _compares_batch_size(tree):
+        return None
+    return f"vLLM's apply_top_k_top_p sends every step through {KERNEL} whatever its size"
+
+
+ENGINE_SAMPLER_TARGET = Target(
+    MODULE,
+    "apply_top_k_top_p",
+    send_every_step_through_triton,
+    required_parameters=("logits", "k", "p"),
+    shape_problem=dispatch_problem,
+    upstream_fixed=every_step_on_kernel,
+)

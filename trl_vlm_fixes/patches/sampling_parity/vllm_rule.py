@@ -1,0 +1,81 @@
+"""vLLM's top-k/top-p rule, applied to the trainer's logits: the one place that decides which of vLLM's functions runs.
+
+vLLM 0.25.1 has two: ``apply_top_k_top_p_triton`` (a pivot-search kernel: exactly k tokens at a top-k tie, an
+approximate top-p cut) and ``apply_top_k_top_p_pytorch`` (a sort: every token tied with the k-th, the top-p cut by
+sorted position). On CUDA it sends a step of 8 or more requests to the first, fewer to the second; the plugin's engine
+wrapper (``engine_sampler``) sends every step to the kernel where vLLM has Triton, so the rule a step took is known
+without knowing how many requests it held. Here the same function is applied to the trainer's logits:
+
+- CUDA tensors where vLLM has Triton: vLLM's own ``apply_top_k_top_p_triton`` (the kernel the engine runs);
+- CPU tensors where the kernel copy runs (``kernel_copy``): the same kernel in Triton's interpreter, with the CUDA
+  tiles, as the engine stand-in runs it;
+- elsewhere (an engine without Triton, or a vLLM whose kernel the copy was not proven on): vLLM's
+  ``apply_top_k_top_p_pytorch`` without host syncs, the path such an engine takes at every step.
+
+A row's result depends only on that row (the kernel gives each row to one program), so any chunk of rows may be
+passed. The processed log-probs are then ``log_softmax`` of the result in float32, as vLLM's ``forward_native``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import kernel_copy
+
+TRITON = "triton"
+PYTORCH = "pytorch"
+
+
+@functools.cache
+def _vllm_has_triton() -> bool:
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def _uses_cuda_kernel(device: torch.device) -> bool:
+    return device.type == "cuda" and _vllm_has_triton()
+
+
+def _uses_interpreted_kernel(device: torch.device) -> bool:
+    return device.type == "cpu" and kernel_copy.why_no_copy() is None
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's top-k/top-p masking of float32 ``[rows, vocab]`` logits (-inf where a token is cut), as every step of
+    the plugin's engine applies it. ``k``/``p``: one value per row (k = vocabulary size, p = 1.0: not truncated), or
+    None. May modify ``logits`` in place; use the result."""
+    if k is None and p is None:
+        return logits
+    if _uses_cuda_kernel(logits.device):
+        from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
+
+        return apply_top_k_top_p_triton(logits, k, p)
+    if _uses_interpreted_kernel(logits.device):
+        return kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES)(logits, k, p)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=False)
+
+
+def engine_path() -> str:
+    """``"triton"`` or ``"pytorch"``: which of vLLM's functions every engine step applies (the GPU engine with the
+    plugin's wrapper, or the engine stand-in on this machine)."""
+    return TRITON if _vllm_has_triton() or kernel_copy.why_no_copy() is None else PYTORCH
+
+
+def describe() -> str:
+    """One line for the logs: the path, and why."""
+    if _vllm_has_triton():
+        return (
+            "every engine step goes through vLLM's Triton top-k/top-p kernel (apply_top_k_top_p_triton; the plugin "
+            "sends steps of fewer than 8 requests there too); the trainer applies the same kernel"
+        )
+    if (reason := kernel_copy.why_no_copy()) is None:
+        return (
+            "no Triton driver here: vLLM's Triton top-k/top-p kernel runs in Triton's interpreter with the CUDA tiles "
+            "(8192/4096), in the engine stand-in and for the trainer alike"
+        )
+    return f"vLLM's sort-based top-k/top-p (apply_top_k_top_p_pytorch) at every step: vLLM has no Triton, and {reason}"
