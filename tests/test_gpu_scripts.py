@@ -211,3 +211,13 @@ def test_hang_restart_script_dry_run(tmp_path: Path) -> None:
         "restart_resumed_at_wedge_step": True,
         "restart_trained_to_the_end": True,
     }
+
+
+def test_sampler_path_script_dry_run(tmp_path: Path) -> None:
+    """sampling_parity's engine wrapper against vLLM's own dispatch: the wrapped call equals the trainer's rule at every
+    batch size, and steps of 8 or more requests (vLLM's own kernel path) keep exactly the sets vLLM keeps."""
+    report, _ = _run(GPU / "sampler_path.py", tmp_path / "o.json", "--dry-run")
+    results = report["results"]
+    assert results and all(row["wrapped_equals_rule"] for row in results)
+    assert {row["batch"] for row in results} >= {1, 8}
+    assert all(row["rows_whose_kept_set_differs_from_vllms"] == 0 for row in results if row["batch"] >= 8)
