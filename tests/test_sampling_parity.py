@@ -777,3 +777,30 @@ def test_a_bad_word_bans_its_space_prefixed_form_as_vllm_does() -> None:
     distribution = read_distribution({"bad_words": words}, WordTokenizer())
     assert isinstance(distribution, SamplingDistribution)
     assert set(distribution.banned) == set(distribution.bad_word_ids) == vllm_banned == {11, 12, 13, 14}
+
+
+def test_the_replayed_old_logps_rule_is_read_from_trls_source(tmp_path: Path) -> None:
+    """With the correction off, the fix replays TRL's rule for whether old log-probs are scored; a TRL whose rollout
+    no longer has that rule makes the fix step aside for the mask instead of replaying a rule TRL dropped."""
+    import importlib.util
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    from trl_vlm_fixes.patches.sampling_parity import _old_logps_rule_drift
+
+    assert _old_logps_rule_drift(GRPOTrainer) is None
+    source = textwrap.dedent(inspect.getsource(GRPOTrainer._generate_and_score_completions))
+    drifted = source.replace("self.args.gradient_accumulation_steps % generate_every != 0", "self._always_scored")
+    assert drifted != source
+    module_file = tmp_path / "drifted_trl.py"
+    module_file.write_text(
+        "from __future__ import annotations\nimport torch\nclass DriftedTrainer:\n" + textwrap.indent(drifted, "    ")
+    )
+    spec = importlib.util.spec_from_file_location("drifted_trl", module_file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reason = _old_logps_rule_drift(module.DriftedTrainer)
+    assert reason is not None and "gradient_accumulation_steps % generate_every" in reason

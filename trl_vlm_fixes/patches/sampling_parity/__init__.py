@@ -137,7 +137,29 @@ def _trainer_steps_aside(trainer: Any) -> str | None:
             "vllm_importance_sampling_correction is off and off_policy_mask_threshold unset: TRL compares no vLLM "
             "log-probs"
         )
+    if not _ratio_on(trainer) and (drift := _old_logps_rule_drift(type(trainer))):
+        return f"the off-policy mask with the correction off: {drift}"
     return None
+
+
+# TRL's own rule (grpo_trainer.py, TRL 1.9.1-1.16) for scoring old log-probs without the IS correction: the fix
+# replays it when it forces the scoring pass for the off-policy mask, so it must still be TRL's
+_OLD_LOGPS_RULE = (
+    "generate_every = self.args.steps_per_generation * self.num_iterations",
+    "self.args.gradient_accumulation_steps % generate_every != 0",
+)
+
+
+def _old_logps_rule_drift(trainer_class: type) -> str | None:
+    """Why this TRL's rule for scoring old log-probs is no longer the one the fix replays (read from its source), or
+    None."""
+    method = getattr(trainer_class, _ROLLOUT, None)
+    tree = function_tree(getattr(method, "__wrapped__", method)) if method is not None else None
+    if tree is None:
+        return f"{_ROLLOUT}'s source cannot be read to check TRL's rule for old log-probs"
+    source = ast.unparse(tree)
+    missing = [line for line in _OLD_LOGPS_RULE if line not in source]
+    return f"TRL's rule for scoring old log-probs changed (no `{missing[0]}` in {_ROLLOUT})" if missing else None
 
 
 def _ratio_on(trainer: Any) -> bool:
@@ -188,7 +210,7 @@ def _old_logps_scored(trainer: Any) -> Iterator[Callable[[dict[str, Any]], None]
     }
     args = getattr(trainer, "args", None)
     generate_every = getattr(args, "steps_per_generation", 1) * getattr(trainer, "num_iterations", 1)
-    trl_scores_old = getattr(args, "gradient_accumulation_steps", 1) % generate_every != 0
+    trl_scores_old = getattr(args, "gradient_accumulation_steps", 1) % generate_every != 0  # _OLD_LOGPS_RULE
 
     def upstream_would(output: dict[str, Any]) -> None:
         output.pop("importance_sampling_ratio", None)

@@ -80,11 +80,14 @@ def _reports_used(reports: dict[Path, str]) -> Any:
 
     class ReportsUsed(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if not state.is_world_process_zero:
+            node_local = getattr(args, "save_on_each_node", False)  # each node's main process owns its node's dir
+            if not (state.is_world_process_zero or (node_local and state.is_local_process_zero)):
                 return
             for path in reports:
                 try:
                     path.rename(path.with_name(path.name.removesuffix(".txt") + USED_SUFFIX))
+                except FileNotFoundError:
+                    continue  # a shared dir after all: another node's main process marked it
                 except OSError as error:
                     LOGGER.warning("cannot mark %s as used (%s): a later start here would resume again.", path, error)
 
@@ -92,13 +95,15 @@ def _reports_used(reports: dict[Path, str]) -> Any:
 
 
 def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``Trainer.train`` of a GRPO/RLOO trainer: resume as described above when the caller named no checkpoint."""
-    if not is_rl_trainer(instance) or not value("watchdog", RESUME.key):
+    """``Trainer.train`` of a GRPO/RLOO trainer: resume as described above when the caller named no checkpoint. The
+    reports are marked used at training start whether or not it resumes (with resume off too): the engine built for
+    this run read them already, and a later healthy run there must not get the protection again."""
+    if not is_rl_trainer(instance):
         return wrapped(*args, **kwargs)
     reports = unused_reports(getattr(instance.args, "output_dir", None))
     escalation.restarted_after(reports)
     given = args[0] if args else kwargs.get("resume_from_checkpoint")
-    if given is None:
+    if given is None and value("watchdog", RESUME.key):
         point = _resume_point(instance, reports)
         if point is not None and args:
             args = (point, *args[1:])
