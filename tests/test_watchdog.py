@@ -354,6 +354,7 @@ def test_the_limit_is_read_at_apply_not_at_each_generate(
     assert watchdog.generate_wrapper(trl_generate(generation, armed), generation, (), {}) == 3
     server = SimpleNamespace(mode="server", vllm_client=SimpleNamespace(generate=lambda: "rollout"))
     monkeypatch.setattr(watchdog.limits.SERVER_GENERATE, "completed", False)
+    monkeypatch.setattr(watchdog.limits.SERVER_GENERATE, "slowest", 0.0)  # none learned by an earlier test's call
     assert watchdog.generate_wrapper(lambda: server.vllm_client.generate(), server, (), {}) == "rollout"
     # colocate: the progress limit, armed after the gather; server: a total, 10 x the floor for a first call
     assert armed == [("gather", 0), 30, 10 * 30]
