@@ -120,6 +120,23 @@ def output_layer(vocabulary: int, scale: float, hidden: int = 32, dtype: torch.d
     return states.to(dtype), processed.OutputLayer(weight.to(dtype))
 
 
+def no_interpreted_kernel() -> str | None:
+    """Why the CPU cannot run the installed vLLM's Triton top-k/top-p kernel (kernel_copy is proven on vLLM 0.25.1's
+    file only): there the stand-in and the trainer take vLLM's sort path, and the kernel's tie rule is not at hand."""
+    from trl_vlm_fixes.patches.sampling_parity import kernel_copy
+
+    return kernel_copy.why_no_copy()
+
+
+def trls_scoring_pass_makes_logits() -> bool:
+    """TRL 1.9.1's scoring pass reads ``.logits`` from the model; TRL 1.16's fused head makes none."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    return ".logits" in inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+
+
 def trl_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """What TRL's scoring pass computes: the full-vocabulary log-prob of each sampled token."""
     return torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, ids[:, None]).squeeze(1)
@@ -183,8 +200,8 @@ def test_ties_at_the_cut_are_broken_as_vllm_breaks_them(rows: int, settings: dic
     positions = processed.Positions(torch.zeros(rows, 1), None, logits)
     got, vllm_logprobs, _, _ = processed_against_vllm(logits, settings, 1.0, positions)
     assert torch.allclose(got, vllm_logprobs, atol=1e-5, rtol=0), (got - vllm_logprobs).abs().max()
-    if settings == {"top_k": 5}:  # the kernel keeps exactly 5 of the 12 tied tokens (a sort would keep all 12)
-        assert bool((got[1::2] > -math.log(6)).all()), got[1::2]  # -log 5 for a tied token, more for a larger one
+    if settings == {"top_k": 5} and not no_interpreted_kernel():  # the kernel keeps exactly 5 of the 12 tied tokens
+        assert bool((got[1::2] > -math.log(6)).all()), got[1::2]  # -log 5 for a tied token (a sort keeps all 12)
 
 
 def test_the_sampled_token_is_kept_where_the_trainers_cut_would_drop_it() -> None:
@@ -567,6 +584,8 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
 ) -> None:
     """What a real run serves: bf16-grid logits (ties at the cut) on engine and trainer, and engine steps of 8
     requests (vLLM's Triton kernel) ending in steps of fewer as sequences finish (its sort path upstream)."""
+    if reason := no_interpreted_kernel():
+        pytest.skip(f"vLLM's kernel path is proven on vLLM 0.25.1 only, on the CPU: {reason}")
     from trl_vlm_fixes.selftest.fixtures import text_dataset
 
     batch = {"per_device_train_batch_size": 8, "num_generations": 2, "dataset": text_dataset()}  # 8 requests
@@ -652,6 +671,8 @@ def test_a_sharded_output_layer_is_no_reason_to_step_aside_where_trls_logits_are
 ) -> None:
     """Under ZeRO-3 (or FSDP) the output layer's weight is not whole on a rank; TRL 1.9.1's scoring pass still gives
     the full logits, so the fix reads them (the vocabulary from their size) and the weight is never touched."""
+    if not trls_scoring_pass_makes_logits():
+        pytest.skip("this TRL's fused head makes no logits: the next test covers why the fix steps aside there")
     from trl import GRPOTrainer
 
     build = GRPOTrainer.__init__
