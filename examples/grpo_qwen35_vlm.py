@@ -2,7 +2,7 @@
 
 Default: a tiny random Qwen3.5 VLM is built offline on the fly, so it runs on any CPU in under a minute.
     python examples/grpo_qwen35_vlm.py
-    accelerate launch --cpu --num_processes 2 examples/grpo_qwen35_vlm.py
+    accelerate launch --multi_gpu --num_processes 2 examples/grpo_qwen35_vlm.py   # 2 ranks: on CPUs (gloo) or GPUs
     python examples/grpo_qwen35_vlm.py --model Qwen/Qwen3.5-0.8B --use-vllm --steps 100   # on a GPU
 """
 
@@ -24,6 +24,37 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft)")
     parser.add_argument("--output-dir", default=None, help="where checkpoints would go (default: a temp folder)")
     return parser.parse_args()
+
+
+# TRL 1.9.1's GRPO loss (grpo_trainer.py `_compute_loss`, loss_type "dapo"): -sum(ratio * advantage) over the
+# completion tokens / their count. With num_iterations=1 the policy that scores a batch is the one that sampled it
+# (old log-probs = log-probs.detach()), so ratio = 1; advantages are rewards minus their group's mean, so they sum to
+# zero in each group. The loss is then 0 wherever a group's completions have equal lengths; its gradient is not.
+LOSS_MEANING = (
+    "about the loss: GRPO's loss is -(ratio x advantage) averaged over completion tokens; here the policy that scores "
+    "each batch is the one that sampled it (ratio 1) and advantages sum to zero in each group, so the loss is ~0 by "
+    "construction (exactly 0 where a group's completions have equal lengths) while its gradient is not: watch the "
+    "reward, not the loss."
+)
+
+
+def explain_fixes(model: str, mode: str, sleep_mode: bool) -> str:
+    """Which fixes acted in this run, and why each other one stepped aside here: the run's own status, and the
+    fixes' declarations for this checkpoint and mode (``trl-vlm-fixes status --model PATH --mode MODE``)."""
+    plan = trl_vlm_fixes.applicability(model, mode, sleep_mode)["fixes"]
+    acted, aside = [], []
+    for name, state in trl_vlm_fixes.status()["patches"].items():
+        if state["state"] == "stepped-aside":
+            aside.append(f"  {name}: {state['detail'].partition(': ')[2]}")
+        elif state["state"] != "applied":
+            aside.append(f"  {name}: {state['state']}: {state['detail']}")
+        elif plan[name]["verdict"] == "steps aside":
+            aside.append(f"  {name}: {plan[name]['reason']}")
+        else:
+            acted.append(name)
+    where = "without vLLM" if mode == "none" else f"with vLLM ({mode})"
+    lines = [f"fixes that acted in this run ({where}): {', '.join(acted) or 'none'}", "stepped aside here:", *aside]
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -104,6 +135,8 @@ def main() -> int:
             f"trained {trainer.state.global_step} steps on a mixed image batch; last loss {last['loss']:.4f}; "
             f"fix metrics {fixes}"
         )
+        print(explain_fixes(model, "colocate" if args.use_vllm else "none", args.use_vllm))
+        print(LOSS_MEANING)
     # leave the process group cleanly: exiting with it alive can abort a rank at teardown after a good run
     state.wait_for_everyone()
     state.destroy_process_group()

@@ -3,7 +3,8 @@
 # BASE=<venv> copies an existing environment first (torch is 5.5 GB; copying beats reinstalling), as hard links where
 # the filesystem allows (pip unlinks a file before writing it and writes its own records afresh, so the base stays
 # intact): each further environment then costs only the packages that differ (about 1.5 GB, not 7).
-# Facts from DEVELOPERS.md: torch 2.14.1 + torchvision 0.29.1 come from this machine's disk; never ask for newer torch.
+# torch 2.14.1 + torchvision 0.29.1 are the validated stack's pins (where this project is developed they come from a
+# local wheel cache, not the network); never ask for newer torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}

@@ -7,7 +7,9 @@
 # stack only. LATEST_TRL_ON_VALIDATED=1 adds, between the two, that TRL on the validated transformers and vLLM (not in
 # CI: it tells a TRL change from a transformers/vLLM one, and three stacks do not fit CI's 30 minutes on 2 cores; last
 # run 2026-12-05 on commit 5620319, every test passed). Extra arguments go to pytest. Each stage prints its time
-# ("stage ... took N s").
+# ("stage ... took N s"), pytest its 25 slowest tests (--durations), and the end the whole run's time against CI's
+# budget (TEST_BUDGET_S, 1800 s: 30 minutes on CI's 2 cores; a WARNING line when over, not a failure: these machines
+# are noisy, and the exit status stays the run's own).
 #
 # pytest runs 3 workers on CI's 2 cores: many tests wait on subprocesses, timers and hang limits rather than compute
 # (conftest.py gives every test process one OpenMP thread, so the workers do not spin against each other).
@@ -15,10 +17,26 @@
 # (the plugin's own mechanisms, which import no TRL/transformers/vLLM code on the path they test: the watchdog's timer,
 # backstop, report and limits files, the resume decision over checkpoint folders; the launcher's bootstrap; the GPU
 # scripts' dry runs: the GPU record runs only the validated stack, so its scripts are checked there). Every other
-# test that runs TRL, transformers or vLLM code runs on both.
+# test that runs TRL, transformers or vLLM code runs on both. Also marked: a test whose only TRL/vLLM contact is
+# reading the plugin's declarations or a stand-in with TRL and torch hidden (the self-test's `--only` validation,
+# its message without TRL). A test moved to one stack, one variant or the unit level says in a comment where the
+# coverage it had now lives.
+#
+# --dist worksteal: a worker that runs out of tests takes queued ones from the others, so one worker is not left with
+# a queue of slow end-to-end tests while the rest idle at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+budget=${TEST_BUDGET_S:-1800}
+report_total() {  # on every exit, success or failure: the whole run's time against the budget; the status is kept
+  local status=$? total=$((SECONDS - started))
+  echo "scripts/test.sh: whole run took $total s ($((total / 60)) min $((total % 60)) s; budget $budget s)" >&2
+  if [ "$total" -gt "$budget" ]; then
+    echo "scripts/test.sh: WARNING: the run took $total s, over the $budget s budget (a warning, not a failure:" \
+      "see the stage times and pytest's slowest tests above)" >&2
+  fi
+  exit "$status"
+}
 latest=${LATEST_TRL:-1.16.0}
 newest_transformers=${NEWEST_TRANSFORMERS:-5.25.0}
 newest_vllm=${NEWEST_VLLM:-0.31.0}
@@ -28,6 +46,7 @@ if [ "$newest_vllm" = none ] || [ "$newest_transformers" = none ]; then  # NEWES
 fi
 started=$SECONDS
 stage_started=$SECONDS
+trap report_total EXIT
 stage() {  # the time of the stage that just ended, then the name of the next
   echo "scripts/test.sh: stage ${current:-setup} took $((SECONDS - stage_started)) s (total $((SECONDS - started)) s)" >&2
   current=$1
@@ -73,7 +92,9 @@ run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; 
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   (cd "$stage" && "$1/bin/python" -c "import trl_vlm_fixes, sys; sys.exit(trl_vlm_fixes.__file__.startswith('$root/trl_vlm_fixes'))")
   stage "pytest ($1, -m '$2')"
-  (cd "$stage" && "$1/bin/python" -m pytest -n 3 -p no:cacheprovider --durations=15 -m "$2" "${@:3}")
+  # exit 5 (no test selected) fails the run like any other non-zero status (set -e): a marker expression that
+  # selects nothing is a broken run, never a green one
+  (cd "$stage" && "$1/bin/python" -m pytest -n 3 --dist worksteal -p no:cacheprovider --durations=25 -m "$2" "${@:3}")
 }
 stage "install (validated stack)"
 run_suite "$root/.venv" "" "$@"

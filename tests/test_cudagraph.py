@@ -1,6 +1,6 @@
 """cudagraph: the keyword arguments TRL's colocated engine constructor receives, and the real vLLM config they build:
-vLLM's own mode in a fresh output_dir, PIECEWISE after the watchdog's report of an engine hang there, NONE after a
-repeated one (the restarts themselves: tests/test_resume.py)."""
+vLLM's own mode in a fresh output_dir, PIECEWISE where its protection state records an engine hang, NONE where it
+records two; an unreadable state protects (the restarts themselves: tests/test_resume.py)."""
 
 from __future__ import annotations
 
@@ -32,19 +32,20 @@ def engine_kwargs(make_generation: Callable[..., Any], output_dir: Path | None =
 
 
 def hang_reports(base: Path, level: str) -> Path:
-    """An output_dir as the watchdog leaves it: no report ("fresh"), its report of an engine hang at step 3
-    ("hang"), or of a second engine hang at step 3 after a restart there ("repeated"); written by its own writer."""
-    from trl_vlm_fixes.patches.watchdog import escalation, report
+    """An output_dir as the watchdog leaves it: nothing ("fresh"), its record of an engine hang at step 3 ("hang"),
+    or of engine hangs at steps 3 and 5 ("repeated"); written by its own recorder (as a process whose engine was
+    built fresh)."""
+    from trl_vlm_fixes.patches.watchdog import escalation
 
     folder = base / level
     folder.mkdir()
-    hung = report.HangContext("LLM.generate", 0, 3, str(folder), "-", "-", report.ENGINE_STEP)
-    if level != "fresh":
-        escalation.restarted_after({folder: report.hang_report(10, hung)} if level == "repeated" else {})
-        try:
-            (folder / "trl_vlm_fixes_hang_rank0.txt").write_text(report.hang_report(10, hung))
-        finally:
-            escalation.restarted_after({})
+    built, protection._last_built = protection._last_built, None
+    try:
+        for step in (3, 5)[: ("fresh", "hang", "repeated").index(level)]:
+            escalation.record("engine-step", step, 0, str(folder))
+            protection._last_built = None
+    finally:
+        protection._last_built = built
     return folder
 
 
@@ -62,7 +63,37 @@ def test_a_fresh_engine_gets_vllms_own_mode_with_the_protection_armed(
     assert "with cudagraph_mode=vLLM's own (protection armed: PIECEWISE after an engine hang" in line
     assert "cudagraph_mode=FULL_AND_PIECEWISE" in line.split("vLLM built: ")[1]  # read back from the engine
     detail = trl_vlm_fixes.status()["patches"]["cudagraph"]["detail"]
-    assert "engine built with cudagraph_mode=FULL_AND_PIECEWISE" in detail and "no engine hang reported in" in detail
+    assert "engine built with cudagraph_mode=FULL_AND_PIECEWISE" in detail
+    assert "protection armed, no engine hang recorded in" in detail
+
+
+@pytest.mark.parametrize("owner", ["VLLMGeneration alone", "watchdog off"])
+def test_no_armed_claim_where_no_watched_trainer_owns_the_engine(
+    make_generation: Callable[..., Any],
+    make_trainer: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    one_fix_off: Callable[[str], None],
+    caplog: pytest.LogCaptureFixture,
+    owner: str,
+) -> None:
+    """A VLLMGeneration built by another user (OnlineDPO, GOLD, a script), or a GRPO trainer with the watchdog off:
+    no hang can be recorded for that engine, so neither the line nor status says the protection is armed (it used to:
+    "protection armed" everywhere)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    import trl_vlm_fixes
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        if owner == "watchdog off":
+            one_fix_off("watchdog")
+            make_trainer("grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+        else:
+            make_generation()
+    line = _engine_line(caplog)
+    assert "protection armed" not in line and "cudagraph_mode=vLLM's own (not protected: no GRPO/RLOO trainer" in line
+    detail = trl_vlm_fixes.status()["patches"]["cudagraph"]["detail"]
+    assert "armed" not in detail and "no GRPO/RLOO trainer under the watchdog builds this engine" in detail
 
 
 def test_switch_off_restores_upstream_arguments(make_generation: Callable[..., Any], one_fix_off: Any) -> None:
@@ -142,7 +173,8 @@ def test_mode_is_logged_once_per_engine(
     lines = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
     assert len(lines) == 1 and "cudagraph_mode=PIECEWISE (" in lines[0].getMessage()
     assert "Gated-DeltaNet kernel outside CUDA graphs" in lines[0].getMessage()
-    assert "(protected: the engine made no progress at step 3 (" in lines[0].getMessage()  # the report it read
+    assert "(protected: engine hangs recorded in " in lines[0].getMessage()  # the state it read
+    assert "trl_vlm_fixes_protection.json (at steps 3): ENGINE_HANG)" in lines[0].getMessage()
 
 
 def test_engine_is_built_without_rebinding_the_module_global(
@@ -360,10 +392,10 @@ def test_the_plugin_reads_whether_vllms_gated_deltanet_op_breaks_its_graphs() ->
     assert gated_deltanet_op_breaks_graphs() is gated_deltanet
 
 
-# --- the protection, graded by the hang reports in output_dir ----------------------------------------------------
+# --- the protection, graded by the protection state in output_dir -------------------------------------------------
 
 # The rule (README): unset, vLLM's own mode until a hang; a pinned mode is the least protection the engine gets, and a
-# hang can only raise it: PIECEWISE after an engine hang, NONE after a second at one step.
+# hang can only raise it: PIECEWISE after an engine hang, NONE after a second (at any step).
 GRADED = {
     None: {"fresh": None, "hang": "PIECEWISE", "repeated": "NONE"},
     "PIECEWISE": {"fresh": "PIECEWISE", "hang": "PIECEWISE", "repeated": "NONE"},
@@ -383,6 +415,67 @@ def test_the_engine_gets_the_protection_its_output_dir_asks_for(
         config = engine_kwargs(make_generation, hang_reports(tmp_path, level)).get("compilation_config")
         built[level] = None if config is None else config["cudagraph_mode"]
     assert built == GRADED[pinned]
+
+
+UNREADABLE = {
+    "empty": b"",
+    "truncated": b'{"level": "REPEATED_HANG", "hangs": [{"step": 3, "ki',
+    "binary": bytes(range(256)),
+    "unknown level": b'{"level": "SOMETIMES", "hangs": []}',
+    "a directory": None,
+}
+
+
+@pytest.mark.parametrize("content", list(UNREADABLE))
+def test_an_unreadable_state_warns_and_protects(
+    make_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Path, content: str
+) -> None:
+    """An empty, truncated or binary state, or a directory with its name: a WARNING naming the file and the protected
+    level, and a PIECEWISE engine; never a crash, never vLLM's own graphs in silence (before: an unreadable hang
+    report gave "no engine hang reported")."""
+    state = tmp_path / protection.STATE_FILE
+    if UNREADABLE[content] is None:
+        state.mkdir()
+    else:
+        state.write_bytes(UNREADABLE[content])  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        kwargs = engine_kwargs(make_generation, tmp_path)
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    [warning] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_vlm_fixes: the protection")]
+    assert f"the protection state {state} cannot be read (" in warning
+    assert "the protected level ENGINE_HANG (cudagraph mode=PIECEWISE" in warning
+
+
+@pytest.mark.stack_independent
+def test_every_engine_hang_raises_the_level_one_step_and_nothing_lowers_it(tmp_path: Path) -> None:
+    """The recorder's rule: an engine hang raises the level one step above the one its engine was built with, at any
+    step; a hang of another kind is recorded and keeps the level; two ranks of one attempt hanging together raise it
+    once; an unreadable state counts as ENGINE_HANG; the file is replaced whole (no temporary left)."""
+    from trl_vlm_fixes.protection import Level, read_state, record_hang
+
+    def hang(step: int, kind: str = "engine-step", built: Level | None = None) -> Level:
+        protection._last_built = built
+        try:
+            return record_hang(tmp_path, step, kind, 0, kind == "engine-step")
+        finally:
+            protection._last_built = None
+
+    assert hang(2) == Level.ENGINE_HANG
+    assert hang(3, built=Level.NO_HANG) == Level.ENGINE_HANG  # a second rank of the attempt that hung at step 2
+    assert hang(5, built=Level.ENGINE_HANG) == Level.REPEATED_HANG  # another step: raised all the same
+    assert hang(6, "wake_up", built=Level.REPEATED_HANG) == Level.REPEATED_HANG  # kept, never lowered
+    assert hang(7, built=Level.REPEATED_HANG) == Level.REPEATED_HANG  # the top stays the top
+    level, hangs = read_state(tmp_path)
+    assert level == Level.REPEATED_HANG and [(h["step"], h["kind"]) for h in hangs] == [
+        (2, "engine-step"),
+        (3, "engine-step"),
+        (5, "engine-step"),
+        (6, "wake_up"),
+        (7, "engine-step"),
+    ]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [protection.STATE_FILE]
+    (tmp_path / protection.STATE_FILE).write_bytes(b"\x00\x01")
+    assert hang(8, "sync_weights") == Level.ENGINE_HANG  # unreadable: the protected level, then recorded over it
 
 
 @pytest.mark.parametrize("switch", ["TRL_VLM_FIXES_CUDAGRAPH", "TRL_VLM_FIXES"])
@@ -420,9 +513,9 @@ def test_a_model_without_gated_deltanet_layers_is_untouched_after_a_hang(
 def test_a_trainer_built_after_a_hang_says_which_mode_and_why(
     make_trainer: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A real GRPOTrainer built where the watchdog left its report of an engine hang: its engine is built PIECEWISE
-    (the trainer's own output_dir is read while it builds), and the engine line, the trainer-start line and status
-    name the mode and the report."""
+    """A real GRPOTrainer built where the watchdog recorded an engine hang: its engine is built PIECEWISE (the
+    trainer's own output_dir is read while it builds), and the engine line, the trainer-start line and status name the
+    mode and the state."""
     import trl.generation.vllm_generation as vllm_generation
 
     import trl_vlm_fixes
@@ -434,13 +527,13 @@ def test_a_trainer_built_after_a_hang_says_which_mode_and_why(
     fresh = make_trainer("grpo", **settings)
     assert "compilation_config" not in fresh.vllm_generation.llm.init_kwargs
     output_dir = Path(fresh.args.output_dir)
-    report = hang_reports(output_dir.parent, "hang") / "trl_vlm_fixes_hang_rank0.txt"
-    report.rename(output_dir / report.name)
+    state = hang_reports(output_dir.parent, "hang") / protection.STATE_FILE
+    state.rename(output_dir / state.name)
     monkeypatch.setattr(trainer_start, "_announced", False)
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         restarted = make_trainer("grpo", **settings)
     assert restarted.vllm_generation.llm.init_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
-    why = f"the engine made no progress at step 3 ({output_dir / report.name}: ENGINE_HANG)"
+    why = f"engine hangs recorded in {output_dir / state.name} (at steps 3): ENGINE_HANG"
     start = [r.getMessage() for r in caplog.records if "at trainer start" in r.getMessage()][-1]
     assert f"cudagraph=applied (cudagraph_mode=PIECEWISE (protected: {why}))" in start
     engine_line = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()][-1]
@@ -456,8 +549,8 @@ def test_the_server_engine_keeps_vllms_mode_unless_pinned(
     tmp_path: Path,
 ) -> None:
     """`trl vllm-serve` (TRL 1.9.1, under the launcher): the server knows no trainer's output_dir, so its engine gets
-    vLLM's own mode with the protection armed, or the pinned mode (what the trainer's report on a server generate
-    says to restart it with, test_watchdog.py)."""
+    vLLM's own mode, and its line says no protection is armed there (it said "protection armed"), or the pinned mode
+    (what the trainer's report on a server generate says to restart it with, test_watchdog.py)."""
     import types
 
     from helpers import server_engine_build_problem_in_llm_worker
@@ -471,7 +564,7 @@ def test_the_server_engine_keeps_vllms_mode_unless_pinned(
     worker = "def llm_worker(model):\n    from vllm import LLM\n    LLM(model=model)\n"
     namespace: dict[str, Any] = {"__name__": "__main__"}
     exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
-    monkeypatch.chdir(hang_reports(tmp_path, "repeated"))  # a report where the server runs: not the trainer's
+    monkeypatch.chdir(hang_reports(tmp_path, "repeated"))  # a state where the server runs: not the trainer's
 
     def served() -> dict[str, Any]:
         layer = vars(llm_module.LLM)["__init__"]
@@ -485,6 +578,6 @@ def test_the_server_engine_keeps_vllms_mode_unless_pinned(
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
         assert "compilation_config" not in served()
     [line] = [r.getMessage() for r in caplog.records if "trl vllm-serve built the vLLM engine" in r.getMessage()]
-    assert "cudagraph_mode=vLLM's own (protection armed" in line
+    assert "cudagraph_mode=vLLM's own (not protected: trl vllm-serve reads no trainer's output_dir" in line
     with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
     assert served()["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}

@@ -5,6 +5,7 @@ docs fails here."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,3 +176,150 @@ def test_readme_switches_table_names_every_declared_switch_and_setting() -> None
 def test_readme_is_read_in_five_minutes() -> None:
     lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert lines <= README_LINES_AT_MOST, f"README.md has {lines} lines; the depth belongs under docs/"
+
+
+# --- what a new user reads: no internal references, no machine-only paths, a way back, tables from declarations ---
+
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# "issue 40" means nothing to a reader without this project's tracker: say what was measured, where, when
+ISSUE_REFERENCE = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+# paths that exist only on the machines the GPU records were made on (a record says how to reproduce it from here)
+MACHINE_ONLY = re.compile(r"/root/|\.\./shared/|(?:make|install)_bundles\.sh|`\.gpu/|PYTHONPATH=\S|/tmp/")
+LONGEST_README_CELL = 300
+MODE_TABLE_HEADER = (
+    "| fix | no vLLM | colocate | server |"  # a table cell is a line of a table; the details belong on the fix's page
+)
+BACK_LINK = re.compile(r"\]\((?:\.\./)*README\.md(?:#[^)]*)?\)")
+
+
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """(number, line) of every line outside fenced code blocks."""
+    lines, fenced = [], False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append((number, line))
+    return lines
+
+
+def test_user_docs_cite_no_issue_of_this_project() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}"
+        for path in USER_DOCS
+        for number, line in prose_lines(path)
+        for match in ISSUE_REFERENCE.finditer(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_user_docs_name_no_path_of_the_measuring_machines() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()[:120]}"
+        for path in USER_DOCS
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if MACHINE_ONLY.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_checkers_refuse_what_the_issue_saw() -> None:
+    assert ISSUE_REFERENCE.search("(issue 37, H100)") and ISSUE_REFERENCE.search("Issue 40: exact")
+    assert not ISSUE_REFERENCE.search("[record](gpu-results.md#issue40-sampling), run_issue32.sh")
+    assert MACHINE_ONLY.search("PYTHONPATH=.:/root/site python3 x.py") and MACHINE_ONLY.search("`.gpu/a`")
+    assert not MACHINE_ONLY.search("`sitecustomize.py` goes first on `PYTHONPATH`")
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").rglob("*.md")), ids=lambda page: page.name)
+def test_every_docs_page_links_back_at_its_top(page: Path) -> None:
+    top = page.read_text(encoding="utf-8").splitlines()[:5]
+    assert any(BACK_LINK.search(line) for line in top), f"{page.relative_to(ROOT)} has no link back in its first lines"
+
+
+def test_gpu_results_has_a_table_of_contents_of_every_section() -> None:
+    page = ROOT / "docs" / "gpu-results.md"
+    lines = [line for _, line in prose_lines(page)]
+    contents = lines.index("## Contents")
+    toc = {target for _, target in read_page(page).links if target.startswith("#")}
+    sections = [line for line in lines[contents + 1 :] if line.startswith("## ")]
+    assert len(sections) >= 13
+    anchors = [HTML_ANCHOR.findall(lines[lines.index(s) - 1]) or [github_slug(s[3:])] for s in sections]
+    missing = [s for s, anchor in zip(sections, anchors, strict=True) if f"#{anchor[0]}" not in toc]
+    assert not missing, f"gpu-results.md's contents lack {missing}"
+
+
+def test_readme_table_cells_are_short() -> None:
+    long = [
+        f"README.md:{number}: {len(cell)} characters: {cell[:60]}..."
+        for number, line in prose_lines(ROOT / "README.md")
+        if line.startswith("|")
+        for cell in line.strip().strip("|").split(" | ")
+        if len(cell) > LONGEST_README_CELL
+    ]
+    assert not long, "\n".join(long)
+
+
+def family_configs() -> dict[str, dict[str, object]]:
+    """The config.json of each Qwen family's tiny checkpoint (its layers as released; no weights built)."""
+    from helpers import QWEN_FAMILIES
+
+    from trl_vlm_fixes.selftest.tiny_model import SPECIAL_TOKENS, build_config
+
+    ids = {token: 300 + index for index, token in enumerate(SPECIAL_TOKENS)}
+    return {family: build_config(320, ids, family=family).to_dict() for family in QWEN_FAMILIES}
+
+
+def acting_families(fix: Fix, mode: str, sleep_mode: bool, configs: dict[str, dict[str, object]]) -> list[str]:
+    """The families ``fix`` acts for in ``mode``, by its declaration alone (no question asked of this machine)."""
+    from trl_vlm_fixes.declaration import Plan
+
+    return [name for name, config in configs.items() if fix.applies(Plan(config, mode, sleep_mode, here=False)) is None]
+
+
+def mode_cell(fix: Fix, mode: str, configs: dict[str, dict[str, object]]) -> str:
+    """README's fix x mode cell: `acts`, for which model types if not all, whether only with sleep mode."""
+    with_sleep = acting_families(fix, mode, True, configs)
+    if not with_sleep:
+        return "steps aside"
+    cell = "acts"
+    if len(with_sleep) < len(configs):
+        cell += " (" + ", ".join(f"`{name}`" for name in with_sleep) + ")"
+    if acting_families(fix, mode, False, configs) != with_sleep:
+        cell += ", with sleep mode"
+    return cell
+
+
+def test_readme_fix_by_mode_table_is_the_declarations() -> None:
+    """Each cell is what the fix's own `applies` says for the five families' configs: a declaration that changes
+    fails here until README's table says the same."""
+    configs = family_configs()
+    expected = [
+        f"| `{fix.name}` | "
+        + " | ".join(mode_cell(fix, mode, configs) for mode in ("none", "colocate", "server"))
+        + " |"
+        for fix in ALL_FIXES
+    ]
+    lines = [line for _, line in prose_lines(ROOT / "README.md")]
+    start = lines.index(MODE_TABLE_HEADER) + 2
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+    assert table == expected, "README's fix x mode table should read:\n" + "\n".join(expected)
+
+
+def test_readme_model_table_is_the_declarations() -> None:
+    """The model table's fixes that depend on the layers: those that act for that family (colocate, sleep mode)
+    and not for every family, by each fix's `applies`."""
+    configs = family_configs()
+    acting = {fix.name: acting_families(fix, "colocate", True, configs) for fix in ALL_FIXES}
+    names = {fix.name for fix in ALL_FIXES}
+    for row in section_rows(ROOT / "README.md", "Supported models"):
+        if not row.startswith("| Qwen"):
+            continue
+        _, family, model_type, fixes, _ = row.split("|")
+        model_type = model_type.strip().strip("`")
+        listed = {name for name in re.findall(r"`(\w+)`", fixes) if name in names}
+        expected = {
+            name for name, families in acting.items() if model_type in families and len(families) < len(configs)
+        }
+        assert listed == expected, (
+            f"README's model table, {family.strip()}: lists {listed}, the declarations {expected}"
+        )

@@ -1,6 +1,8 @@
 """watchdog/resume: a restart after a watchdog exit resumes from the last checkpoint that can resume, on the resumed
-weights; the restart after an engine hang builds its engine PIECEWISE, NONE after a second hang at that step; a
-healthy run (a slow first weight push, a slow checkpoint save under tensor parallelism) is never ended nor escalated.
+weights; the protection state in output_dir makes every later engine there PIECEWISE after an engine hang, NONE after
+a second (at any step), through crashes and other hangs, the same on every rank (a tensor-parallel group that would
+differ stops at build); a healthy run (a slow first weight push, a slow checkpoint save under tensor parallelism) is
+never ended nor escalated.
 
 Upstream (``TRL_VLM_FIXES_WATCHDOG_RESUME=0``, or the fixes reverted) a restarted job starts again from step 0:
 ``trl grpo`` calls ``train()`` with no checkpoint and transformers ignores the field of the training arguments.
@@ -41,6 +43,13 @@ def run_program(command: list[str], env: dict[str, str], timeout: float = 300) -
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
+STATE = "trl_vlm_fixes_protection.json"
+
+
+def state(out: Path) -> dict[str, Any]:
+    return dict(json.loads((out / STATE).read_text()))
+
+
 def run_ranks(model_dir: Path, base: Path, env: dict[str, str], restarts: int = 1) -> tuple[Any, Path, Path]:
     """resume_ranks.py under ``torchrun --max-restarts N`` (2 CPU ranks, gloo); by default rank 1 wedges once at step
     3 of 4.
@@ -66,9 +75,9 @@ def single(model_dir: Path, base: Path, env: dict[str, str]) -> Any:
     return result
 
 
-def engine_arguments(base: Path, attempt: int) -> tuple[Any, Any]:
+def engine_arguments(base: Path, attempt: int, rank: int = 0) -> tuple[Any, Any]:
     """What the engine of that attempt received in TRL's ``LLM(...)`` call (the stand-in's ``init_kwargs``)."""
-    start = attempts(base / "records", 0)[attempt][0]
+    start = attempts(base / "records", rank)[attempt][0]
     assert start["event"] == "start"
     return start["compilation_config"], start["gdn_prefill_backend"]
 
@@ -98,13 +107,17 @@ def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_di
 
 
 @pytest.mark.slow
-def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(
+    tiny_model_dir: Path, tmp_path: Path, tp: str
+) -> None:
     """Rank 1's engine wedges at step 3: the watchdog ends it (75), torchrun ends rank 0 and restarts both; both
-    resume from checkpoint-3 (rank 0 wrote no report: it reads rank 1's), the first rollout runs on the resumed
-    weights on both ranks, training ends at exactly max_steps, and the report is marked as used."""
+    resume from checkpoint-3 (rank 0 wrote no report: it reads rank 1's), both ranks' engines are built PIECEWISE
+    from the one state (vllm_tensor_parallel_size 1 and 2: the pair compares what it builds), the first rollout runs
+    on the resumed weights on both ranks, training ends at exactly max_steps, and the report is marked as used."""
     from trl_vlm_fixes.patches.watchdog.resume import unused_reports
 
-    result, out, records = run_ranks(tiny_model_dir, tmp_path, {})
+    result, out, records = run_ranks(tiny_model_dir, tmp_path, {"TP": tp})
     assert "failed (exitcode: 75) local_rank: 1" in result.stderr and result.returncode == 0, result.stderr[-4000:]
     assert result.stderr.count("ended by the watchdog (hang at step 3") == 1  # one line, from rank 0
     assert f"resuming from {out / 'checkpoint-3'}" in result.stderr
@@ -115,47 +128,92 @@ def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(tiny_model
         assert [e["step"] for e in resumed if e["event"] == "generate"] == [3]
         assert first_rollout(resumed)["on_trainer"] and not first_rollout(resumed)["on_base"]
         assert resumed[-1] == {"event": "end", "pid": resumed[0]["pid"], "steps": 4}
+        assert engine_arguments(tmp_path, 0, rank)[0] is None  # the first round: vLLM's own graphs
+        assert engine_arguments(tmp_path, 1, rank) == ({"cudagraph_mode": "PIECEWISE"}, TRITON), rank
     assert unused_reports(out) == {} and (out / "trl_vlm_fixes_hang_rank1.resumed.txt").exists()
+    assert state(out)["level"] == "ENGINE_HANG" and [h["rank"] for h in state(out)["hangs"]] == [1]
 
 
 @pytest.mark.slow
-def test_the_restart_after_an_engine_hang_is_piecewise_and_after_a_second_at_that_step_none(
+def test_engine_hangs_at_changing_steps_reach_none_and_a_push_hang_keeps_it(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A fresh run keeps vLLM's own CUDA graphs (no compilation_config of the plugin's); its engine wedges at step 3
-    (exit 75); the restart in that output_dir resumes there with a PIECEWISE engine, which wedges again at step 3 on
-    the same batch: the report names the repeated hang, and the next restart's engine gets NONE and Triton GDN
-    prefill, though the user pinned the fast settings (a pin is the least protection, never the most)."""
-    from trl_vlm_fixes.patches.watchdog.resume import REPEATED, unused_reports
-
-    first = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})
+    """A fresh run keeps vLLM's own CUDA graphs; its engine wedges at step 1 (exit 75): the restart resumes with a
+    PIECEWISE engine and Triton prefill, which wedges at step 2, another step: the next restart's engine is NONE (it
+    was PIECEWISE: only a hang repeated at one step raised the level). That run's weight push then never returns (a
+    hang elsewhere than the engine): the start after it still builds NONE and Triton, though the user pinned the fast
+    settings (a pin is the least protection, never the most)."""
+    out = tmp_path / "out"
+    first = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "1"})
     assert first.returncode == 75, first.stderr[-3000:]
     assert engine_arguments(tmp_path, 0) == (None, TRITON) and built_mode(tmp_path, 0) == "FULL_AND_PIECEWISE"
-    report = (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.txt").read_text()
-    assert "watch: engine-step" in report and REPEATED not in report
-    assert "protection: this engine was built with NO_HANG" in report
+    assert state(out)["level"] == "ENGINE_HANG"
 
-    again = single(tiny_model_dir, tmp_path, {"WEDGE_TIMES": "2"})  # resumes at step 3, hangs there again
+    again = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "2", "WEDGE_TIMES": "2"})  # resumes at 1, wedges at 2
     assert again.returncode == 75, again.stderr[-3000:]
     assert engine_arguments(tmp_path, 1) == ({"cudagraph_mode": "PIECEWISE"}, TRITON)
     assert built_mode(tmp_path, 1) == "PIECEWISE"
-    read = f"the engine made no progress at step 3 ({tmp_path / 'out' / 'trl_vlm_fixes_hang_rank0.txt'}: ENGINE_HANG)"
-    assert again.stderr.count(f"{read}: the engine is built with the protection for it.") == 1  # the report it read
-    assert [e["step"] for e in attempts(tmp_path / "records", 0)[1] if e["event"] == "generate"] == []
-    ((_, report),) = unused_reports(tmp_path / "out").items()
-    assert "at step 3." in report.splitlines()[0]
-    assert f"{REPEATED} the run restarted after an engine hang at step 3" in report
-    assert "protection: this engine was built with ENGINE_HANG" in report
+    assert [(h["step"], h["kind"]) for h in state(out)["hangs"]] == [(1, "engine-step"), (2, "engine-step")]
+    assert state(out)["level"] == "REPEATED_HANG"
+
+    push = single(tiny_model_dir, tmp_path, {"HANG_PUSH": "1", "WEDGE_TIMES": "0"})  # resumes at 2; 2nd push hangs
+    assert push.returncode == 75, push.stderr[-3000:]
+    assert engine_arguments(tmp_path, 2) == ({"cudagraph_mode": "NONE"}, "triton") and built_mode(tmp_path, 2) == "NONE"
+    assert state(out)["hangs"][-1]["kind"] == "sync_weights" and state(out)["level"] == "REPEATED_HANG"
 
     fast = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "flashinfer"}
     restart = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})
     assert restart.returncode == 0, restart.stderr[-3000:]
-    assert engine_arguments(tmp_path, 2) == ({"cudagraph_mode": "NONE"}, "triton")
-    assert built_mode(tmp_path, 2) == "NONE"
-    again_read = "the engine hung again at step 3, where the run before had hung too ("
-    assert restart.stderr.count("REPEATED_HANG): the engine is built with the protection for it.") == 1
-    assert again_read in restart.stderr
-    assert "cudagraph=applied (cudagraph_mode=NONE (protected: the engine hung again at step 3" in restart.stderr
+    assert engine_arguments(tmp_path, 3) == ({"cudagraph_mode": "NONE"}, "triton")
+    assert built_mode(tmp_path, 3) == "NONE"
+    why = f"engine hangs recorded in {out / STATE} (at steps 1, 2): REPEATED_HANG"
+    assert f"cudagraph=applied (cudagraph_mode=NONE (protected: {why}))" in restart.stderr
+
+
+@pytest.mark.slow
+def test_the_protection_survives_a_crash_after_the_protected_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Hang (75) -> the restart resumes with a PIECEWISE engine and dies in its first rollout (a crash, a
+    preemption) -> the next start still builds PIECEWISE (before, the reports were used up at the restart's training
+    start: vLLM's own graphs again, the same batch, the same hang). It does not resume: the report was used."""
+    first = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "2"})
+    assert first.returncode == 75, first.stderr[-3000:]
+    for attempt, step in ((1, 2), (2, 0)):  # the restart resumes at step 2; the later start does not resume
+        result = single(tiny_model_dir, tmp_path, {"CRASH_AT_GENERATE": "1"})
+        assert result.returncode == 1 and "CRASH_AT_GENERATE" in result.stderr, result.stderr[-3000:]
+        assert first_rollout(attempts(tmp_path / "records", 0)[attempt])["step"] == step
+        assert engine_arguments(tmp_path, attempt) == ({"cudagraph_mode": "PIECEWISE"}, TRITON), attempt
+    assert (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.resumed.txt").exists()
+
+
+@pytest.mark.slow
+def test_an_unreadable_state_warns_and_protects_in_a_real_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A state cut short (a full disk, a copy interrupted): the start warns, naming the file and the protected level,
+    and builds PIECEWISE (before: nothing said, vLLM's own graphs)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / STATE).write_text('{"level": "ENGINE_HANG", "hangs": [{"st')
+    result = single(tiny_model_dir, tmp_path, {"BUILD_ONLY": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"the protection state {tmp_path / 'out' / STATE} cannot be read (" in result.stderr
+    assert "the engine is built with the protected level ENGINE_HANG (cudagraph mode=PIECEWISE" in result.stderr
+    assert engine_arguments(tmp_path, 0) == ({"cudagraph_mode": "PIECEWISE"}, TRITON)
+
+
+@pytest.mark.slow
+def test_node_local_output_dirs_keep_their_own_state_and_a_tensor_parallel_pair_that_differs_stops_at_build(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each rank writes into a directory of its own (node-local output_dir, save_on_each_node=True), the two ranks
+    one vLLM tensor-parallel pair: rank 1's engine wedges; only its directory records the hang. In the restart the pair
+    would build different engines (rank 1 PIECEWISE, rank 0 vLLM's graphs: on a GPU they would wait on each other in
+    graph capture): both stop at build with a clear error, before any engine is built (before: no error)."""
+    env = {"NODE_LOCAL": "1", "TP": "2", "WEDGE_STEP": "1", "MAX_STEPS": "2"}
+    result, out, records = run_ranks(tiny_model_dir, tmp_path, env)
+    assert "failed (exitcode: 75) local_rank: 1" in result.stderr and result.returncode == 1, result.stderr[-4000:]
+    assert state(out / "rank1")["level"] == "ENGINE_HANG" and not (out / "rank0" / STATE).exists()
+    assert result.stderr.count("the ranks of one vLLM tensor-parallel group would build different engines") >= 2
+    assert "rank 0: cudagraph mode=auto" in result.stderr and "rank 1: cudagraph mode=PIECEWISE" in result.stderr
+    for rank in (0, 1):
+        assert len(attempts(records, rank)) == 1  # the restart recorded no engine: it stopped before the build
 
 
 @pytest.mark.slow
@@ -231,21 +289,6 @@ def test_a_checkpoint_that_cannot_resume_is_not_resumed_into(tiny_model_dir: Pat
     assert restart.stderr.count(line) == 1, restart.stderr[-3000:]
     assert first_rollout(attempts(tmp_path / "records", 0)[1])["step"] == 0
     assert unused_reports(tmp_path / "out") == {}
-
-
-@pytest.mark.slow
-def test_the_report_is_used_once_read_even_if_the_restart_never_ends_a_step(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """The restart resumes and dies in its first rollout: the report is marked used all the same, so a later fresh
-    start in that output_dir (a new config) starts at step 0 instead of resuming."""
-    first = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "2"})
-    assert first.returncode == 75, first.stderr[-3000:]
-    for attempt, step in ((1, 2), (2, 0)):  # the restart resumes at step 2; the later start does not resume
-        result = single(tiny_model_dir, tmp_path, {"CRASH_AT_GENERATE": "1"})
-        assert result.returncode == 1 and "CRASH_AT_GENERATE" in result.stderr, result.stderr[-3000:]
-        assert first_rollout(attempts(tmp_path / "records", 0)[attempt])["step"] == step
-    assert (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.resumed.txt").exists()
 
 
 def test_resume_from_checkpoint_in_the_arguments_and_the_first_rollout_after_it(

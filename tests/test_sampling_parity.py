@@ -34,6 +34,13 @@ SETTINGS = [
     ("min_p", {"min_p": 0.05}),
     ("mix", {"top_k": 20, "top_p": 0.95, "min_p": 0.05}),
 ]
+# The GRPO end-to-end runs (each trains twice; the slowest tests of the suite, vLLM's kernel in Triton's interpreter)
+# take one setting per distinct path: the ban alone (no cut: the ban's shift, no top-k/top-p rule) and the mix (every
+# cut read from generation_kwargs at once: min_p's processor, then top_k and top_p through vLLM's kernel). Each cut
+# alone (top_k, top_p, min_p) is exact at unit level, on every logits path and engine-step size:
+# test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits[top_k|top_p|min_p-*] (and [mix-*]); the
+# end-to-end runs of each cut alone were removed for CI's time (issue 45).
+END_TO_END = [setting for setting in SETTINGS if setting[0] in ("ban", "mix")]
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +393,7 @@ def test_the_stand_in_reports_what_vllms_sampler_computes() -> None:
 # --- GRPO end to end ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "settings"), SETTINGS, ids=[s[0] for s in SETTINGS])
+@pytest.mark.parametrize(("name", "settings"), END_TO_END, ids=[s[0] for s in END_TO_END])  # see END_TO_END
 def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
     name: str,
     settings: dict[str, Any],
@@ -506,7 +513,10 @@ def test_a_rollout_without_trls_generate_is_named(
     assert KEPT not in logged(trainer)
 
 
-@pytest.mark.parametrize(("name", "settings"), SETTINGS[1:], ids=[s[0] for s in SETTINGS[1:]])
+# Server mode's own path is the transport: the settings as JSON to `trl vllm-serve`, the ban as bad_words. The mix
+# carries every cut through it at once (a cut lost on the way leaves the ratio off 1); each cut alone is exact at unit
+# level (see END_TO_END); the top_k, top_p and min_p server runs were removed for CI's time (issue 45).
+@pytest.mark.parametrize(("name", "settings"), SETTINGS[-1:], ids=[s[0] for s in SETTINGS[-1:]])
 def test_server_mode_ratio_is_one_with_the_fix(
     name: str,
     settings: dict[str, Any],
@@ -564,10 +574,14 @@ def bf16_grid_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_class, "post_init", rounding_post_init)
 
 
+# One setting per distinct path of the kernel's rule on bf16-grid logits: top_k alone, where ties at the cut decide
+# (exactly k kept), and top_k with top_p (both parts of the rule). top_p alone and min_p before top_p on bf16 logits
+# are exact at unit level, in steps of 16 requests (the kernel) and 5 (the wrapper sending them to it):
+# test_the_trainer_gets_vllms_processed_log_prob_from_its_own_logits[top_p|min_p top_p-bfloat16-logits-*] and
+# test_ties_at_the_cut_are_broken_as_vllm_breaks_them (top_p=0.75 on tied rows); their end-to-end runs were removed
+# for CI's time (issue 45).
 BF16_SETTINGS = [
-    ("top_p", {"top_p": 0.9}),
     ("top_k=64 top_p", {"top_k": 64, "top_p": 0.99}),
-    ("min_p top_p", {"min_p": 0.05, "top_p": 0.95}),
     ("top_k ties", {"top_k": 5}),
 ]
 

@@ -52,9 +52,10 @@ def test_a_generate_that_never_returns_ends_the_process_with_75(tiny_model_dir: 
     assert ("gdn_prefill_backend=triton" in report) == gdn_prefill_acts() and "resume_from_checkpoint" in report
     assert "cudagraph_mode=vLLM's own (protection armed" in report  # the engine's settings
     assert "vLLM built: " in report and "cudagraph_mode=FULL_AND_PIECEWISE" in report  # read back from it
-    # what the restart here gets (tests/test_resume.py restarts it)
-    restart = "protection: this engine was built with NO_HANG; the restart in this output_dir builds the engine with "
-    assert restart + "ENGINE_HANG (cudagraph mode=PIECEWISE" in report
+    # recorded before the report: what the restart here gets (tests/test_resume.py restarts it)
+    state = json.loads((tmp_path / "trl_vlm_fixes_protection.json").read_text())
+    assert state["level"] == "ENGINE_HANG" and [(h["step"], h["kind"]) for h in state["hangs"]] == [(0, "engine-step")]
+    assert "the next engine in this output_dir is built with ENGINE_HANG (cudagraph mode=PIECEWISE" in report
     assert "ran longer than 10 s" in result.stderr and "resume_from_checkpoint" in result.stderr
     hang_to_exit = time.time() - float((tmp_path / "hang_started").read_text())
     assert limit <= hang_to_exit <= limit + 15, hang_to_exit
@@ -63,9 +64,29 @@ def test_a_generate_that_never_returns_ends_the_process_with_75(tiny_model_dir: 
 
 @pytest.mark.slow
 def test_without_the_watchdog_the_hang_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_hang_program(tiny_model_dir, tmp_path, {"TRL_VLM_FIXES_WATCHDOG": "0"}, 60)
+    """Off, the same wedged generate is still hung 10 s + the kernel backstop's delay after it started (the watchdog
+    on, at its smallest limit, 10 s, has ended it by then: the test above); timed from the hang, not from the start."""
+    from trl_vlm_fixes.patches.watchdog.backstop import EXIT_AFTER_SECONDS
+
+    process = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "hang_generate.py"), str(tiny_model_dir), str(tmp_path)],
+        env={**environment_without_switches(), "TRL_VLM_FIXES_WATCHDOG": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        started = tmp_path / "hang_started"
+        deadline = time.monotonic() + 240
+        while not started.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert started.exists(), process.poll()
+        time.sleep(10 + EXIT_AFTER_SECONDS + 2)
+        assert process.poll() is None  # still hung
+    finally:
+        process.kill()
+        process.wait()
     assert not (tmp_path / "trl_vlm_fixes_hang_rank0.txt").exists()
+    assert not (tmp_path / "trl_vlm_fixes_protection.json").exists()
 
 
 @pytest.mark.slow
@@ -139,6 +160,11 @@ def test_the_watchdog_ends_every_hard_hang_with_75(case: str, tmp_path: Path) ->
         assert "a test hang ran longer than 3 s" in stderr_text and "__main__:main" in stderr_text
     if case not in ("c_call_holds_the_gil", "report_file_blocks"):
         assert "at step 7" in (tmp_path / "trl_vlm_fixes_hang_rank0.txt").read_text()
+    state = tmp_path / "trl_vlm_fixes_protection.json"
+    if case == "c_call_holds_the_gil":  # only the kernel timers ran: nothing recorded (documented)
+        assert not state.exists()
+    else:  # recorded first, even where the report file blocks: the restart's engine is protected
+        assert json.loads(state.read_text())["level"] == "ENGINE_HANG", case
 
 
 @pytest.mark.stack_independent
@@ -538,64 +564,62 @@ def test_the_engine_build_is_not_watched_its_later_sleeps_are(
 
 
 @pytest.mark.stack_independent
-def test_a_repeated_hang_is_named_only_for_an_engine_without_progress(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ "repeated hang" (and the protected restart after it) needs a colocated engine without progress (its step rule,
-    or the total-time rule of an engine without steps to watch) twice at one step; a weight push, a sleep or a server
-    generate hanging twice at one step never says so, nor asks for a protected engine."""
-    from trl_vlm_fixes.patches.watchdog import escalation, report
-    from trl_vlm_fixes.protection import Level
+@pytest.mark.parametrize("watch", ["engine-step", "engine_generate", "sync_weights", "wake_up", "server_generate"])
+def test_only_an_engine_without_progress_raises_the_level(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, watch: str
+) -> None:
+    """The report writer records the hang in the state before the report: an engine without progress (its step rule,
+    or the total-time rule of an engine without steps) raises the level; a weight push, a sleep, a wake-up or a
+    server generate is recorded and keeps it (at NONE too: before, a wake-up hang at NONE made the next start build
+    vLLM's own graphs again). The report's lines say so."""
+    from trl_vlm_fixes import protection
+    from trl_vlm_fixes.patches.watchdog import escalation, limits, report
 
-    def context(watch: str, step: int) -> report.HangContext:
-        return report.HangContext("a call", 0, step, None, "-", "-", watch)
-
-    for watch in ("engine-step", "engine_generate", "sync_weights", "wake_up", "server_generate"):
-        monkeypatch.setattr(escalation, "_restarted_after", {("3", watch)})
-        text = report.hang_report(10, context(watch, 3))
-        engine = watch in ("engine-step", "engine_generate")
-        assert (escalation.REPEATED in text) is engine, watch
-        assert escalation.report_level(text) == (Level.REPEATED_HANG if engine else Level.NO_HANG), watch
-    monkeypatch.setattr(escalation, "_restarted_after", {("3", "sync_weights")})  # the last run's hang: another rule
-    assert escalation.REPEATED not in report.hang_report(10, context("engine-step", 3))
-    monkeypatch.setattr(escalation, "_restarted_after", {("2", "engine-step")})  # another step
-    text = report.hang_report(10, context("engine-step", 3))
-    assert escalation.REPEATED not in text and escalation.report_level(text) == Level.ENGINE_HANG
-
-
-@pytest.mark.stack_independent
-@pytest.mark.parametrize("built", ["NO_HANG", "ENGINE_HANG", "REPEATED_HANG"])
-def test_the_protection_never_drops_while_engine_hangs_go_on(monkeypatch: pytest.MonkeyPatch, built: str) -> None:
-    """An engine hang at a new step asks for at least the protection the hung engine had: a NONE engine that hangs
-    elsewhere is not restarted PIECEWISE."""
-    from trl_vlm_fixes.patches.watchdog import escalation, report
-    from trl_vlm_fixes.protection import Level
-
-    monkeypatch.setattr(escalation, "_restarted_after", set())
-    monkeypatch.setattr(escalation, "_engine_level", Level[built])
-    text = report.hang_report(10, report.HangContext("a call", 0, 9, None, "-", "-", "engine-step"))
-    assert escalation.report_level(text) == max(Level.ENGINE_HANG, Level[built])
+    assert {limits.ENGINE_GENERATE.key, report.ENGINE_STEP} == set(escalation.ENGINE_WATCHES)
+    assert limits.SERVER_GENERATE.key == escalation.SERVER_GENERATE
+    engine = watch in escalation.ENGINE_WATCHES
+    for built in protection.Level:
+        folder = tmp_path / built.name
+        if built:
+            protection.write_state(folder, built, [])
+        monkeypatch.setattr(protection, "_last_built", built)
+        lines = escalation.record(watch, 3, 0, str(folder))
+        level, hangs = protection.read_state(folder)
+        assert level == (protection.Level(min(built + 1, 2)) if engine else built), (watch, built)
+        assert hangs[-1]["kind"] == watch and hangs[-1]["step"] == 3 and hangs[-1]["engine"] is engine
+        text = report.hang_report(10, report.HangContext("a call", 0, 3, str(folder), "-", "-", watch), lines)
+        said = "the next engine in this output_dir is built with" if engine else "leaves the level as it was"
+        assert f"{said} {level.name}" in text.replace("as it was (", "as it was "), text
 
 
-def test_a_server_generate_report_names_the_flag_that_protects_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No process of the server reads the trainer's report: it says how to restart the server protected (TRL 1.9.1
-    under the launcher: the mode's variable; TRL >= 1.11: vLLM's own flag), NONE after a second hang at that step."""
+def test_a_report_that_cannot_record_says_the_restart_is_unprotected(tmp_path: Path) -> None:
+    """A state that cannot be written (here a directory holds its name): the report says so and names the pin."""
+    from trl_vlm_fixes.patches.watchdog import escalation
+
+    (tmp_path / "trl_vlm_fixes_protection.json").mkdir()
+    with pytest.raises(OSError):
+        escalation.record("engine-step", 3, 0, str(tmp_path))
+    assert "the restart here is not protected" in escalation.not_recorded("x")[0]
+
+
+def test_a_server_generate_report_names_the_flag_that_protects_the_server(tmp_path: Path) -> None:
+    """No process of the server reads the trainer's output_dir: the report says how to restart the server protected
+    (TRL 1.9.1 under the launcher: the mode's variable; TRL >= 1.11: vLLM's own flag), NONE from the second server
+    hang recorded there; the level of the trainer's output_dir is not raised."""
     from helpers import server_engine_build_problem_in_llm_worker
 
-    from trl_vlm_fixes.patches.watchdog import escalation, report
-    from trl_vlm_fixes.protection import Level
+    from trl_vlm_fixes import protection
+    from trl_vlm_fixes.patches.watchdog import escalation
 
-    def text(restarted_after: set[tuple[str, str]]) -> str:
-        monkeypatch.setattr(escalation, "_restarted_after", restarted_after)
-        hung = report.HangContext("VLLMClient.generate", 0, 3, None, "-", "-", "server_generate")
-        return report.hang_report(30, hung)
-
-    once, again = text(set()), text({("3", "server_generate")})
+    once = "\n".join(escalation.record("server_generate", 3, 0, str(tmp_path)))
+    again = "\n".join(escalation.record("server_generate", 3, 0, str(tmp_path)))
     if server_engine_build_problem_in_llm_worker():  # TRL 1.9.1: the plugin builds the server's engine
         assert "restart it with `TRL_VLM_FIXES_CUDAGRAPH_MODE=PIECEWISE trl-vlm-fixes run -- trl vllm-serve" in once
         assert "`TRL_VLM_FIXES_CUDAGRAPH_MODE=NONE trl-vlm-fixes run" in again
     else:
         assert """`trl vllm-serve ... --compilation-config '{"cudagraph_mode": "PIECEWISE"}'`""" in once
         assert """--compilation-config '{"cudagraph_mode": "NONE"}'""" in again
-    assert escalation.report_level(once) == escalation.report_level(again) == Level.NO_HANG  # nothing built here
+    assert protection.read_state(tmp_path)[0] == protection.Level.NO_HANG  # nothing built here
 
 
 def test_the_progress_it_counts_is_the_installed_vllms_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:

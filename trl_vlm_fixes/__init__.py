@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import trainer_start
+from .applicability import applicability as _applicability
 from .metrics import support_targets
 from .patches import ALL_FIXES
 from .patches.cudagraph import CudagraphModeError
@@ -29,6 +30,7 @@ __all__ = [
     "GdnPrefillBackendError",
     "SwitchValueError",
     "__version__",
+    "applicability",
     "apply",
     "revert",
     "status",
@@ -59,6 +61,13 @@ def status() -> dict[str, Any]:
     """Versions and, per fix, its state (applied, stepped-aside, disabled, skipped, not-needed, or pending until TRL
     is imported)."""
     return build_status(REGISTRY, __version__, ACTIVATION)
+
+
+def applicability(model: Any, mode: str = "colocate", sleep_mode: bool = False) -> dict[str, Any]:
+    """Before a run: for checkpoint ``model`` (a folder, its ``config.json``, a cached Hub id, or the config as a
+    dict) and ``mode`` (``colocate``, ``server``, ``none``), each fix's verdict (``will act`` / ``steps aside``) and
+    the reason it would log, read from the fixes' declarations (``trl-vlm-fixes status --model``)."""
+    return _applicability(model, mode, sleep_mode, REGISTRY)
 
 
 apply()

@@ -1,5 +1,7 @@
-"""``trl-vlm-fixes`` (also ``python -m trl_vlm_fixes``): ``status [--json] [--strict]``, ``selftest [--json]``,
-``run -- COMMAND...``. A bare ``trl-vlm-fixes`` (or only ``--json``/``--strict``) means ``status``."""
+"""``trl-vlm-fixes`` (also ``python -m trl_vlm_fixes``): ``status [--json] [--strict]
+[--model PATH [--mode colocate|server|none] [--sleep-mode]]``, ``selftest [--json] [--only NAME[,NAME]] [-v]``,
+``run -- COMMAND...``.
+A bare ``trl-vlm-fixes`` (or only ``--json``/``--strict``) means ``status``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import argparse
 import importlib.util
 import json
 import sys
+from typing import Any
+
+from .declaration import MODES
 
 # what the self-test imports (module name, pip name)
 SELFTEST_NEEDS = (
@@ -28,8 +33,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     status = commands.add_parser("status", help="the state of every fix (default)")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     status.add_argument("--strict", action="store_true", help="exit 1 when an enabled fix was skipped")
+    status.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a checkpoint (folder or cached Hub id): which fixes will act for it, and why not",
+    )
+    status.add_argument(
+        "--mode", choices=MODES, default="colocate", help="with --model: TRL's vllm_mode, or none (use_vllm off)"
+    )
+    status.add_argument("--sleep-mode", action="store_true", help="with --model: vllm_enable_sleep_mode=True")
     selftest = commands.add_parser("selftest", help="show each bug and each fix on the installed stack")
     selftest.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    selftest.add_argument(
+        "--only", metavar="NAME[,NAME]", help="run these fixes' checks alone (an unknown name lists the valid ones)"
+    )
+    selftest.add_argument(
+        "-v", "--verbose", action="store_true", help="show what the libraries print, and each check as it ends"
+    )
     run = commands.add_parser("run", help="run COMMAND with the fixes in every Python process it starts")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
@@ -66,16 +86,39 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .selftest.runner import run_selftest
 
-        return run_selftest(as_json=args.json)
+        only = None if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
+        return run_selftest(as_json=args.json, only=only, verbose=args.verbose)
     from . import REGISTRY, status
     from .status import render_table
 
     REGISTRY.import_targets()
     report = status()
+    if args.model is not None:
+        return _status_of_model(args, report)
     print(json.dumps(report, indent=2) if args.json else render_table(report))
     if args.strict and any(patch["state"] == "skipped" for patch in report["patches"].values()):
         return 1
     return 0
+
+
+def _status_of_model(args: argparse.Namespace, installed: dict[str, Any]) -> int:
+    """``status --model PATH``: each fix's verdict for that checkpoint and mode (the states already final)."""
+    from . import applicability
+    from .status import render_applicability
+
+    try:
+        report = applicability(args.model, args.mode, args.sleep_mode)
+    except (OSError, ValueError) as error:
+        print(f"trl_vlm_fixes status --model: cannot read {args.model}'s config: {error}", file=sys.stderr)
+        return 2
+    keys = ("version", "activation", "versions", "validated")
+    print(
+        json.dumps({**{k: installed[k] for k in keys}, **report}, indent=2)
+        if args.json
+        else render_applicability(report)
+    )
+    skipped = any(fix["reason"].startswith("skipped:") for fix in report["fixes"].values())
+    return 1 if args.strict and skipped else 0
 
 
 if __name__ == "__main__":

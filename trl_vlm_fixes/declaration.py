@@ -7,8 +7,8 @@ the fixes are reported and wrapped (the first is innermost where several fixes w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .switches import Setting, fix_switch
@@ -24,6 +24,31 @@ def _no_problem(function: Callable[..., Any]) -> str | None:
 
 
 def _everywhere(trainer: Any) -> str | None:
+    return None
+
+
+# TRL's ways to sample: ``use_vllm`` off (``none``), ``vllm_mode="colocate"`` or ``"server"``
+MODES = ("none", "colocate", "server")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run described before it starts (``trl-vlm-fixes status --model``): the checkpoint's ``config.json``, TRL's
+    vLLM mode and sleep mode, the rest at ``GRPOConfig``'s defaults. ``here``: questions only a GPU answers (which MoE
+    backend vLLM picks) are asked of this machine; off, the verdict is the model's and the mode's alone (the docs'
+    tables)."""
+
+    config: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "colocate"
+    sleep_mode: bool = False
+    here: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
+
+
+def _applies_everywhere(plan: Plan) -> str | None:
     return None
 
 
@@ -73,6 +98,9 @@ class Fix:
     # why the fix steps aside for this trainer (its model, mode, settings), or None: the trainer-start line and
     # status say "stepped-aside" with the reason instead of "applied"
     scope: Callable[[Any], str | None] = _everywhere
+    # the same question asked before any trainer exists: why the fix steps aside for this planned run (checkpoint
+    # config, mode), or None; read by ``trl-vlm-fixes status --model`` and the docs' tables (``applicability``)
+    applies: Callable[[Plan], str | None] = _applies_everywhere
     # its settings for an engine built after a hang (``protection.Level``: after an engine hang, after one repeated
     # at one step): (level, key, value), each from its level up, unless the selected value protects as much
     protected: tuple[tuple[int, str, Any], ...] = ()

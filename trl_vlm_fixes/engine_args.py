@@ -47,15 +47,17 @@ class EngineBuild:
 
     caller: str
     model_config: Any
-    protection: protection.Verdict = protection.NO_HANG  # the hang reports read for this engine (and which)
+    protection: protection.Verdict = protection.NOT_ARMED  # the protection state read for this engine (and why)
     changes: list[str] = field(default_factory=list)  # "name=value (why)", for the one log line per engine
     stepped_aside: list[tuple[str, str]] = field(default_factory=list)  # (fix, why it leaves this engine alone)
     protected_by: list[str] = field(default_factory=list)  # the fixes whose setting the protection raised
     why: dict[str, str] = field(default_factory=dict)  # fix -> why its setting (status and the trainer-start line)
+    settings: dict[str, Any] = field(default_factory=dict)  # "fix key" -> the value chosen (compared across TP ranks)
 
     def setting(self, fix_name: str, key: str, selected: Any) -> Any:
         """The fix's setting for this engine: ``selected``, or what it declares for the protection due."""
         chosen = protection.setting(fix_name, key, selected, self.protection.level)
+        self.settings[f"{fix_name} {key}"] = chosen
         if chosen != selected:
             self.protected_by.append(fix_name)
             self.why.setdefault(fix_name, f"protected: {self.protection.reason}")
@@ -189,7 +191,7 @@ def _construct(
     pending = _pending.get()
     assert pending is not None  # only called inside a wrapper, which set it
     model_config = served_model_config(trainer, kwargs)
-    build = EngineBuild(builder.caller, model_config, protection.due())
+    build = EngineBuild(builder.caller, model_config, protection.due(builder.server))
     acting = []
     for contribution in pending.contributions:
         if contribution.acts_on(build):
@@ -200,6 +202,9 @@ def _construct(
         else:
             build.stepped_aside.append((contribution.fix_name, contribution.aside))
     pending.applied = True
+    if not builder.server:  # one tensor-parallel group, one engine: a difference is an error here, not a wait there
+        chosen = ", ".join(f"{name}={value}" for name, value in sorted(build.settings.items()))
+        protection.agree_in_group(trainer, chosen or "no protected setting")
     built = engine(*args, **kwargs)
     readings, by_fix = [], {}
     for contribution in acting:

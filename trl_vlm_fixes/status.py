@@ -33,3 +33,26 @@ def render_table(status: dict[str, Any]) -> str:
     for name, patch in status["patches"].items():
         lines.append(f"{name:<18} {patch['state']:<13} {patch['switch'] + '=0 to turn off':<37} {patch['detail']}")
     return "\n".join(lines)
+
+
+def render_applicability(report: dict[str, Any]) -> str:
+    """``status --model``: one line per fix, its verdict for that checkpoint and mode, and the reason."""
+    layers = report["layers"]
+    facts = ", ".join(
+        [
+            "Gated-DeltaNet layers" if layers["gated_deltanet"] else "no Gated-DeltaNet layers",
+            "routed experts" if layers["routed_experts"] else "no routed experts",
+            f"{layers['deepstack_levels']} deepstack levels" if layers["deepstack_levels"] else "no deepstack",
+        ]
+    )
+    sleep = " with sleep mode" if report["sleep_mode"] else ""
+    mode = "no vLLM (use_vllm off)" if report["mode"] == "none" else f"vLLM {report['mode']} mode{sleep}"
+    lines = [
+        f"{report['model']}: model type {report['model_type']!r} ({facts}); {mode}",
+        "",
+        f"{'fix':<18} {'verdict':<12} reason",
+    ]
+    for name, fix in report["fixes"].items():
+        lines.append(f"{name:<18} {fix['verdict']:<12} {fix['reason']}")
+    lines.extend(f"note: {note}" for note in report["notes"])
+    return "\n".join(lines)

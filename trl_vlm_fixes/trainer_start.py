@@ -1,4 +1,5 @@
-"""When a GRPO or RLOO trainer is built: rank 0 shows the final state of every fix once, where users look.
+"""When a GRPO or RLOO trainer is built: rank 0 shows the final state of every fix once, where users look: at INFO in
+a healthy run, at WARNING where an enabled fix was skipped (it should act and cannot).
 
 The import-time summary can only say ``pending`` (TRL is not imported yet); by the time a trainer exists every target
 is imported and every state is final; an engine fix that acted on the trainer's engine adds what vLLM built and why
@@ -8,6 +9,7 @@ vLLM engine, so a watchdog report can name the step and write into ``output_dir`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +46,10 @@ def _after_init(trainer: Any) -> None:
         return
     _announced = True
     readings = engine_readings(getattr(generation, "llm", None))
-    states = []
+    states, skipped = [], False
     for name, fix in REGISTRY.fixes.items():
         state, detail = REGISTRY.fix_state(name)
+        skipped = skipped or state == "skipped"
         switch = fix.switch_setting
         if state == "applied" and switch is not None and switch.unit:
             state += f" ({REGISTRY.value(name, switch.key):g} {switch.unit})"
@@ -55,7 +58,11 @@ def _after_init(trainer: Any) -> None:
         elif state == "applied" and name in readings:
             state += f" ({readings[name]})"
         states.append(f"{name}={state}")
-    LOGGER.warning("%s at trainer start: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
+    # a healthy run says this at INFO; WARNING where an enabled fix cannot act (skipped), or where the engine is
+    # protected because an earlier run here hung (the line names the hang report)
+    protected = any("protected:" in reading for reading in readings.values())
+    level = logging.WARNING if skipped or protected else logging.INFO
+    LOGGER.log(level, "%s at trainer start: %s (python -m trl_vlm_fixes for details)", __version__, ", ".join(states))
 
 
 def support_targets() -> tuple[Target, ...]:

@@ -6,7 +6,7 @@ usage: hang_armed.py OUTPUT_DIR LIMIT_SECONDS
   STDERR=tee        a tee object without fileno              STDERR=full      fd 2 is a pipe filled to the brim
   REPORT=file       the report file is writable              REPORT=blocks    it is a FIFO: open() never returns,
                                                                               as on a hung network filesystem
-Writes OUTPUT_DIR/hang_started (time.time()) just before the hang.
+Writes OUTPUT_DIR/hang_started (time.time()) just before the hang; the hang is an engine hang (``watch: engine-step``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,13 @@ def main() -> None:
     if os.environ.get("REPORT") == "blocks":
         os.mkfifo(output_dir / "trl_vlm_fixes_hang_rank0.txt")
     context = HangContext(
-        what="a test hang", rank=0, step=7, output_dir=str(output_dir), engine_settings="-", likely_cause="a test"
+        what="a test hang",
+        rank=0,
+        step=7,
+        output_dir=str(output_dir),
+        engine_settings="-",
+        likely_cause="a test",
+        watch="engine-step",  # an engine without progress: the hang raises the protection state's level
     )
     stderr = os.environ.get("STDERR", "keep")
     if stderr == "none":

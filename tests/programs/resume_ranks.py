@@ -10,6 +10,9 @@ usage: resume_ranks.py MODEL_DIR OUTPUT_DIR RECORDS_DIR
   SLOW_SAVE_SECONDS (0), SLOW_SAVE_STEPS ("1")
                            rank 0's checkpoint save at those steps sleeps that long mid-save (after the weights)
   SLOW_PUSH_SECONDS (0)    the first weight push of each process takes that long
+  HANG_PUSH (0)            1: the second weight push of the first process that gets there never returns (a marker in
+                           RECORDS_DIR: once over all runs)
+  NODE_LOCAL (0)           1: each rank writes into OUTPUT_DIR/rank{N} with save_on_each_node=True (node-local dirs)
   SAVE_ONLY_MODEL (0)      save_only_model=True
   CRASH_AT_GENERATE (0)    1: the process's first rollout is recorded, then raises (the run never ends a step)
   BUILD_ONLY (0)           1: build the trainer, record the engine arguments, exit
@@ -68,6 +71,9 @@ def main() -> None:
     model_dir, output_dir, records = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     records.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
+    node_local = bool(setting("NODE_LOCAL"))
+    if node_local:
+        output_dir = os.path.join(output_dir, f"rank{rank}")
     wedge_rank, wedge_step = setting("WEDGE_RANK", "1"), setting("WEDGE_STEP", "3")
     wedge_times = setting("WEDGE_TIMES", "1")
     slow_push, crash = setting("SLOW_PUSH_SECONDS"), setting("CRASH_AT_GENERATE")
@@ -94,6 +100,10 @@ def main() -> None:
             def load_weights(weights: Any) -> Any:
                 if slow_push and not pushes:  # the first push of this process is slow (a large model, a cold device)
                     time.sleep(slow_push)
+                if setting("HANG_PUSH") and len(pushes) == 1 and not (records / "push_hung").exists():
+                    (records / "push_hung").write_text(str(time.time()))
+                    while True:  # a push that never returns (the first one taught the watchdog its limit)
+                        time.sleep(3600)
                 pushes.append(1)
                 return load(weights)
 
@@ -137,6 +147,7 @@ def main() -> None:
         save_steps=1,
         save_only_model=bool(setting("SAVE_ONLY_MODEL")),
         vllm_tensor_parallel_size=setting("TP", "1"),
+        save_on_each_node=node_local,
     )
     holder["trainer"] = trainer
     slow_save, slow_steps = setting("SLOW_SAVE_SECONDS"), os.environ.get("SLOW_SAVE_STEPS", "1").split(",")

@@ -1,18 +1,19 @@
-"""cudagraph: TRL's vLLM engine keeps vLLM's own CUDA graphs until the watchdog has seen it hang; the restart then runs
-every Gated-DeltaNet kernel outside CUDA graphs (``PIECEWISE``), and captures nothing (``NONE``) after a second hang at
-the same step.
+"""cudagraph: TRL's vLLM engine keeps vLLM's own CUDA graphs until the watchdog has seen it hang; the engines built
+after that in the same ``output_dir`` run every Gated-DeltaNet kernel outside CUDA graphs (``PIECEWISE``), and capture
+nothing (``NONE``) after a second engine hang, at any step.
 
 A hang of CUDA-graph replay of Qwen3.5's Gated-DeltaNet *decode* was reported to this project (GPU at 100%, CPU idle,
 SIGTERM ignored) but never reproduced, and nothing public ties plain decode graphs to a hang; the hang documented for
 this stack is FlashInfer's SM90 GDN prefill kernel, outside every graph in every mode (``gdn_prefill`` removes it).
 ``PIECEWISE`` costs on every step where it is not needed: decode 0.39x-0.77x vLLM's default graphs on a 2B-class Qwen3.5
 shape at 16-256 requests per step, 0.75x-0.91x at 9B (H100; docs/gpu-results.md section 11). So by default the fix adds
-nothing to the engine's ``compilation_config`` and arms the protection: after a colocated generate whose engine made no
-progress (the watchdog's report in ``output_dir``), the restart there builds ``PIECEWISE``: in vLLM 0.25.1
+nothing to the engine's ``compilation_config`` and arms the protection where a watched trainer builds the engine:
+after a colocated generate whose engine made no progress (recorded in ``output_dir``'s protection state), every later
+engine there is built ``PIECEWISE``: in vLLM 0.25.1
 ``vllm::qwen_gdn_attention_core`` (conv1d + recurrent attention, prefill and decode) is one of the default splitting ops
 (``CompilationConfig._attention_ops``, ``set_splitting_ops_for_v1``), so every GDN kernel runs between the captured
 pieces (measured on an H200, docs/gpu-results.md section 9: 0 GDN calls during graph capture and 0.998 per step and GDN
-layer, against 504 and 0.032 under vLLM's default graphs); after a second hang at that step, ``NONE``
+layer, against 504 and 0.032 under vLLM's default graphs); after a second engine hang, ``NONE``
 (``protection.Level``, declared below). ``TRL_VLM_FIXES_CUDAGRAPH_MODE`` pins a mode from the first step; a hang can
 only raise its protection (``PIECEWISE`` -> ``NONE``), never lower it. The value is injected at the ``LLM(...)`` call
 TRL makes, so vLLM builds (and hashes) one consistent configuration; nothing is mutated after the engine exists and
@@ -34,6 +35,7 @@ from .. import protection
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..logs import fix_logger
+from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
 from ..registry import value
 from ..switches import SwitchValueError, choice
@@ -46,7 +48,7 @@ VALID_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEW
 AUTO = "auto"  # vLLM's own mode until a hang is reported, then the protected modes below
 DEFAULT_MODE = AUTO
 HANG_MODE = "PIECEWISE"  # after an engine hang: every Gated-DeltaNet kernel outside the graphs
-PROTECTED_MODE = "NONE"  # after a hang repeated at one step: nothing captured at all
+PROTECTED_MODE = "NONE"  # after a second engine hang (at any step): nothing captured at all
 # NONE, FULL_DECODE_ONLY: measured on an H200 (docs/gpu-results.md, sections 3, 9); PIECEWISE: an H100 (section 11)
 SPEED_NOTE = {
     "NONE": "no CUDA graphs at all: decode about 3-4x slower than vLLM's default graphs",
@@ -72,19 +74,25 @@ def selected_mode() -> str:
 
 
 ARMED = (
-    f"vLLM's own (protection armed: {HANG_MODE} after an engine hang, {PROTECTED_MODE} after a second at one step; "
+    f"vLLM's own (protection armed: {HANG_MODE} after an engine hang, {PROTECTED_MODE} after a second; "
     f"{MODE.variable}={HANG_MODE} pins it from the first step)"
 )
 
 
+def not_armed(reason: str) -> str:
+    """vLLM's own mode where no hang can raise it (no watched trainer builds the engine, or a server's engine)."""
+    return f"vLLM's own (not protected: {reason}; {MODE.variable}={HANG_MODE} pins it from the first step)"
+
+
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """The selected mode, or the protection the hang reports ask for (``build.setting``), merged into the engine's
+    """The selected mode, or the protection the state asks for (``build.setting``), merged into the engine's
     compilation config; with neither (``auto``, no hang), vLLM's own mode: nothing is added."""
     selected = selected_mode()
     mode = build.setting("cudagraph", MODE.key, selected)
     if mode == AUTO:
         build.why["cudagraph"] = f"vLLM's own mode: {build.protection.reason}"
-        build.changes.append(f"cudagraph_mode={ARMED}")
+        armed = build.protection.armed
+        build.changes.append(f"cudagraph_mode={ARMED if armed else not_armed(build.protection.reason)}")
         return
     if mode == selected:
         build.why["cudagraph"] = f"{MODE.variable}={selected}"
@@ -217,16 +225,16 @@ def engine_cudagraph_mode(config: Any) -> str:
 
 def selftest(context: Any, family: str) -> Any:
     """The CUDA-graph mode the engine TRL builds for a Gated-DeltaNet model gets, as vLLM's CompilationConfig reads
-    it, in a fresh ``output_dir``, after the watchdog's report of an engine hang there, and after one of a hang
-    repeated at one step: upstream, vLLM's default graphs (GDN decode captured) every time; with the fix, vLLM's mode
-    (or the pinned one) first, then ``PIECEWISE``, then ``NONE``."""
+    it, in a fresh ``output_dir``, where the protection state records one engine hang, and where it records two:
+    upstream, vLLM's default graphs (GDN decode captured) every time; with the fix, vLLM's mode (or the pinned one)
+    first, then ``PIECEWISE``, then ``NONE``."""
     from ..selftest.rollout_schedule import build_generation
     from ..selftest.runner import off_then_on
 
     def measure() -> dict[str, str]:
         modes = {}
-        for level, reports in _hang_reports(context, family).items():
-            with protection.building_in(reports):
+        for level, output_dir in _protection_states(context, family).items():
+            with protection.building_in(output_dir):
                 generation = build_generation(context.model_dir(family), context.processor(family))
             modes[level.name] = engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
         return modes
@@ -252,25 +260,17 @@ def _modes_text(modes: dict[str, str]) -> str:
     return ", ".join(f"{name}: cudagraph_mode={mode}" for name, mode in modes.items())
 
 
-def _hang_reports(context: Any, family: str) -> dict[Level, Path]:
-    """An ``output_dir`` per level, holding what the watchdog writes there: nothing, its report of an engine hang at
-    step 3, and its report of a second hang at step 3 after a restart (written by its own report writer)."""
-    from .watchdog import escalation, report
-
+def _protection_states(context: Any, family: str) -> dict[Level, Path]:
+    """An ``output_dir`` per level, holding the protection state the watchdog leaves there: none, one engine hang at
+    step 3, two (steps 3 and 5)."""
     folders = {}
-    escalation.verdict(None)  # the engine that hangs in these reports was built fresh (not the last family's NONE)
     for level in Level:
         folder = Path(context.workdir) / f"cudagraph_{family}_{level.name.lower()}"
+        hangs = [{"step": step, "kind": "engine-step", "rank": 0, "engine": True} for step in (3, 5)[:level]]
+        if level:
+            protection.write_state(folder, level, hangs)
         folder.mkdir(parents=True, exist_ok=True)
         folders[level] = folder
-    hung = report.HangContext("a wedged generate", 0, 3, None, "(self-test)", "(self-test)", report.ENGINE_STEP)
-    first = report.hang_report(10, hung)
-    (folders[Level.ENGINE_HANG] / "trl_vlm_fixes_hang_rank0.txt").write_text(first)
-    escalation.restarted_after({folders[Level.ENGINE_HANG]: first})
-    try:
-        (folders[Level.REPEATED_HANG] / "trl_vlm_fixes_hang_rank0.txt").write_text(report.hang_report(10, hung))
-    finally:
-        escalation.restarted_after({})
     return folders
 
 
@@ -285,5 +285,6 @@ FIX = Fix(
     settings=(MODE,),
     selftest=selftest,
     scope=scope,
+    applies=gated_deltanet_engine,
     protected=((Level.ENGINE_HANG, "mode", HANG_MODE), (Level.REPEATED_HANG, "mode", PROTECTED_MODE)),
 )

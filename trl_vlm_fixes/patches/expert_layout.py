@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..declaration import Fix
+from ..declaration import Fix, Plan
 from ..engine_args import EngineBuild, engine_builder_targets, served_model_config
 from ..logs import fix_logger
 from ..moe_backend import (
@@ -31,6 +31,7 @@ from ..moe_backend import (
     has_routed_experts,
     rearranging_moe_backend,
 )
+from ..plan_rules import without_vllm
 from ..vllm_arguments import engine_argument_problem
 
 LOGGER = fix_logger(__name__)
@@ -136,6 +137,18 @@ def scope(trainer: Any) -> str | None:
     return kept_layout({}, config)
 
 
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: routed experts in the config; in colocate mode, where ``plan.here``,
+    the backend vLLM would pick on this machine (server mode: decided on the server's GPU)."""
+    if reason := without_vllm(plan, "no vLLM engine"):
+        return reason
+    if not has_routed_experts(plan.config):
+        return f"the served model {NO_ROUTED_EXPERTS}"
+    if plan.mode == "server" or not plan.here:
+        return None
+    return kept_layout({}, plan.config)
+
+
 def selftest(context: Any, family: str) -> Any:
     """The MoE backend the engine TRL builds gets on this machine, where vLLM's default would rearrange the experts."""
     from ..selftest.rollout_schedule import build_generation
@@ -178,4 +191,5 @@ FIX = Fix(
     ),
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

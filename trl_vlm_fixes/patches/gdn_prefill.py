@@ -18,6 +18,7 @@ from packaging.version import Version
 
 from ..declaration import Fix
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
+from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
 from ..registry import active, value
 from ..switches import SwitchValueError, choice
@@ -26,7 +27,7 @@ from ..vllm_arguments import engine_argument_problem
 
 VALID_BACKENDS = ("triton", "flashinfer")
 DEFAULT_BACKEND = "triton"
-PROTECTED_BACKEND = "triton"  # after a hang repeated at one step (protection.Level.REPEATED_HANG)
+PROTECTED_BACKEND = "triton"  # after an engine hang (protection.Level.ENGINE_HANG), whatever was selected
 BACKEND = choice(
     "backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND, "a GDN prefill backend we select"
 )
@@ -40,15 +41,18 @@ def selected_backend() -> str:
 
 
 def contribute(kwargs: dict[str, Any], build: EngineBuild) -> None:
-    """Select the prefill backend (Triton after a repeated hang, whatever was selected)."""
-    backend = build.setting("gdn_prefill", BACKEND.key, selected_backend())
+    """Select the prefill backend (Triton after an engine hang, whatever was selected: the documented cause)."""
+    selected = selected_backend()
+    backend = build.setting("gdn_prefill", BACKEND.key, selected)
     kwargs["gdn_prefill_backend"] = backend
     note = "FlashInfer's SM90 kernel is reported to hang" if backend == "triton" else "reported to hang on Hopper"
+    if backend != selected:
+        note = f"{BACKEND_VARIABLE}={selected} moved to Triton after an engine hang: {note}"
     build.changes.append(f"gdn_prefill_backend={backend} ({note}; {BACKEND_VARIABLE} to choose)")
 
 
 def arguments_problem() -> str | None:
-    """Why the installed vLLM would refuse ``gdn_prefill_backend`` (the selected value, or triton after a repeated
+    """Why the installed vLLM would refuse ``gdn_prefill_backend`` (the selected value, or triton after an engine
     hang), read from its own ``EngineArgs``."""
     return engine_argument_problem("gdn_prefill_backend", selected_backend()) or engine_argument_problem(
         "gdn_prefill_backend", PROTECTED_BACKEND
@@ -132,5 +136,6 @@ FIX = Fix(
     settings=(BACKEND,),
     selftest=selftest,
     scope=scope,
-    protected=((Level.REPEATED_HANG, "backend", PROTECTED_BACKEND),),
+    applies=gated_deltanet_engine,
+    protected=((Level.ENGINE_HANG, "backend", PROTECTED_BACKEND),),
 )

@@ -31,9 +31,11 @@ from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
-from ..declaration import Counter, Fix, Target
+from ..declaration import Counter, Fix, Plan, Target
 from ..log_once import warn_once
 from ..logs import fix_logger
+from ..model_facts import markers_problem as config_markers_problem
+from ..plan_rules import without_vllm
 from ..source_shape import calls_method, function_tree, string_constants
 from ..vision_tokens import markers_problem, vision_tokens
 
@@ -157,6 +159,15 @@ def scope(trainer: Any) -> str | None:
     if not getattr(trainer, "use_vllm", False) or generation is None:
         return "use_vllm is off: TRL sends vLLM no prompt"
     if problem := markers_problem(getattr(trainer, "model", None)):
+        return f"{problem}; the parity check still runs"
+    return None
+
+
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: the mode, and the model type's ``get_rope_index`` from its config."""
+    if reason := without_vllm(plan, "TRL sends vLLM no prompt"):
+        return reason
+    if problem := config_markers_problem(plan.config):
         return f"{problem}; the parity check still runs"
     return None
 
@@ -460,4 +471,5 @@ FIX = Fix(
     counters=(PROMPT_MISMATCH_ROWS,),
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

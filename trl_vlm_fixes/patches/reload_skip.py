@@ -35,10 +35,11 @@ from typing import Any
 import wrapt
 
 from .. import metrics
-from ..declaration import Counter, Fix, Target, on_trainers
+from ..declaration import Counter, Fix, Plan, Target, on_trainers
 from ..log_once import warn_once
 from ..logs import fix_logger
 from ..owner_state import OwnerState
+from ..plan_rules import without_colocated_sleep, without_vllm
 from ..registry import value
 from ..source_shape import calls_method, function_tree
 from ..switches import boolean
@@ -326,6 +327,14 @@ def selftest(context: Any, family: str) -> Any:
 # every target of this fix relies on TRL's generate reloading from disk, and steps aside where TRL re-pushes itself
 _CHECKS: dict[str, Any] = {"shape_problem": _reload_shape, "upstream_fixed": _upstream_repushes}
 
+
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: only TRL's colocated engine with sleep mode reloads from disk."""
+    return without_vllm(plan, "no vLLM engine to reload") or without_colocated_sleep(
+        plan, "TRL reloads nothing from disk"
+    )
+
+
 FIX = Fix(
     name="reload_skip",
     summary="no disk reload in colocate + sleep mode; re-push trained weights whenever sleep discarded them",
@@ -339,4 +348,5 @@ FIX = Fix(
     counters=(WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED),
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

@@ -37,10 +37,11 @@ from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
-from ..declaration import Counter, Fix, Target, on_trainers
+from ..declaration import Counter, Fix, Plan, Target, on_trainers
 from ..engine_args import server_is_calling
 from ..log_once import warn_once
 from ..logs import fix_logger
+from ..model_facts import vision_placeholders
 from ..owner_state import OwnerState
 from ..registry import value
 from ..switches import boolean
@@ -389,6 +390,13 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: the placeholders a checkpoint's config declares (every sampling path)."""
+    if not vision_placeholders(plan.config) and "vision_config" not in plan.config:
+        return "its config defines no vision placeholder token (a text-only model)"
+    return None
+
+
 def selftest(context: Any, family: str) -> Any:
     """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
     import torch
@@ -439,4 +447,5 @@ FIX = Fix(
     counters=(VISION_TOKEN_ROWS_MASKED,),
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

@@ -2,7 +2,12 @@
 
 Tiny random Qwen3.5 VLMs, dense and MoE, are built offline in a temporary folder. Each fix declares its check
 (``Fix.selftest``, in its own module); each runs for both families, once with the fixes reverted (upstream behaviour:
-is the bug present here?) and once with them applied (does the fix work here?).
+is the bug present here?) and once with them applied (does the fix work here?). ``only`` runs the named checks alone.
+
+Quiet unless ``verbose``: what the libraries write while the checks run (weight-loading progress bars, their
+warnings, the tiny runs' own log lines) is held back and shown only if the self-test itself crashes, so the table is
+the first thing printed. One OpenMP thread unless ``OMP_NUM_THREADS`` says otherwise: the tiny models gain nothing
+from more, and on a busy 2-core machine torch's default (a thread per core) made the self-test 183 s instead of 32 s.
 """
 
 from __future__ import annotations
@@ -10,15 +15,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")  # the models users train: Qwen3.5, dense and mixture-of-experts
+# why a fix declares no check (a fix without one and without a reason here is reported as declaring none)
+NOT_CHECKED = {
+    "watchdog": "it acts only on a wedged engine or call, after at least its 10 s limit, by ending the process it "
+    "watches (exit 75); its evidence: docs/fixes/watchdog.md#evidence",
+}
+
+
+class UnknownCheckError(ValueError):
+    """``only`` names something that is not a fix with a self-test check."""
 
 
 @dataclass
@@ -89,10 +105,42 @@ def off_then_on(
     return CheckResult(state, bug_present, fix_works, time.perf_counter() - started, f"{bug_detail}; {fix_detail}")
 
 
-def collect() -> dict[str, Any]:
+def not_checked() -> dict[str, str]:
+    """Every fix that declares no check, with the reason (no torch, TRL or vLLM imported)."""
+    from .. import REGISTRY
+
+    return {
+        name: NOT_CHECKED.get(name, "it declares no check (Fix.selftest)")
+        for name, fix in REGISTRY.fixes.items()
+        if fix.selftest is None
+    }
+
+
+def selected(only: list[str] | None) -> list[str]:
+    """The checks to run, in report order: every declared one, or those ``only`` names (``UnknownCheckError``
+    naming the valid names otherwise). No torch, TRL or vLLM imported."""
+    from .. import REGISTRY
+
+    checks = [name for name, fix in REGISTRY.fixes.items() if fix.selftest is not None]
+    if only is None:
+        return checks
+    unknown = [name for name in only if name not in checks]
+    if unknown or not only:
+        why = "; ".join(f"{name}: {reason}" for name, reason in not_checked().items() if name in unknown)
+        raise UnknownCheckError(
+            f"no self-test check named {', '.join(unknown) or '(none given)'}"
+            + (f" ({why})" if why else "")
+            + f"; valid names: {', '.join(checks)}"
+        )
+    return [name for name in checks if name in only]
+
+
+def collect(only: list[str] | None = None, progress: IO[str] | None = None) -> dict[str, Any]:
+    """Run the checks (all, or those ``only`` names), writing a line per finished check to ``progress``."""
     from .. import REGISTRY, __version__
     from ..status import build_status
 
+    names = selected(only)
     REGISTRY.import_targets()
     started = time.perf_counter()
     checks: dict[str, CheckResult] = {}
@@ -100,18 +148,23 @@ def collect() -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="trl_vlm_fixes_selftest_", ignore_cleanup_errors=True) as workdir:
             context = SelftestContext(workdir)
-            for name, fix in REGISTRY.fixes.items():
-                if fix.selftest is not None:
-                    checks[name] = _over_families([fix.selftest(context, family) for family in FAMILIES])
+            for name in names:
+                check = REGISTRY.fixes[name].selftest
+                assert check is not None  # selected() keeps declared checks only
+                checks[name] = _over_families([check(context, family) for family in FAMILIES])
+                if progress is not None:
+                    print(f"trl_vlm_fixes selftest: {name} done in {checks[name].seconds:.1f} s", file=progress)
     finally:
         REGISTRY.scopes_paused = False
     failed = [name for name, check in checks.items() if check.fix_works is False]
     status = build_status(REGISTRY, __version__)
+    skipped = {name: "not run (--only)" for name in selected(None) if name not in names}
     return {
         "version": __version__,
         "versions": status["versions"],
         "families": list(FAMILIES),
         "fixes": {name: asdict(check) for name, check in checks.items()},
+        "not_checked": {name: reason for name in REGISTRY.fixes if (reason := {**not_checked(), **skipped}.get(name))},
         "verdict": "fail" if failed else "ok",
         "failed": failed,
         "seconds": round(time.perf_counter() - started, 1),
@@ -147,8 +200,10 @@ def render(report: dict[str, Any]) -> str:
             f"{name:<18} bug present: {_yes_no(check['bug_present']):<4} fix works: "
             f"{_yes_no(check['fix_works']):<4} ({check['state']}) {check['seconds']:5.1f} s  {check['detail']}"
         )
+    for name, reason in report.get("not_checked", {}).items():
+        lines.append(f"{name:<18} not checked: {reason}")
     verdict = (
-        "OK: every enabled fix works on this stack"
+        "OK: every enabled fix checked works on this stack"
         if report["verdict"] == "ok"
         else (f"FAIL: {', '.join(report['failed'])} did not work on this stack")
     )
@@ -156,20 +211,88 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_selftest(as_json: bool = False) -> int:
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One OpenMP thread for the checks, unless ``OMP_NUM_THREADS`` is set (read by torch when it is imported; set
+    on torch directly where it already is, and put back afterwards)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+        if torch is not None and threads is not None:
+            torch.set_num_threads(threads)
+
+
+@contextmanager
+def held_back_output() -> Iterator[None]:
+    """What the libraries write to stdout or stderr meanwhile (at the file-descriptor level: tqdm bars, C++ warnings,
+    print calls) goes to a temporary file, shown on stderr only if the block raises."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        try:
+            for fd in saved:
+                os.dup2(held.fileno(), fd)
+            yield
+        except BaseException:
+            _restore(saved)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            _restore(saved)
+
+
+def _restore(saved: dict[int, int]) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(ValueError):  # closed meanwhile
+            stream.flush()
+    for fd, original in list(saved.items()):
+        os.dup2(original, fd)
+        os.close(original)
+        del saved[fd]
+
+
+def run_selftest(as_json: bool = False, only: list[str] | None = None, verbose: bool = False) -> int:
+    """The CLI's ``selftest``: 0 when every enabled fix checked works, 1 when one does not, 2 for an unknown name."""
+    try:
+        selected(only)
+    except UnknownCheckError as error:
+        print(f"trl_vlm_fixes selftest: {error}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quiet = ("transformers", "trl", "accelerate", "datasets", "torch")
-    for name in quiet:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    own = logging.getLogger("trl_vlm_fixes")
-    level = own.level
-    own.setLevel(logging.ERROR)  # the engine and trainer lines of the self-test's own tiny runs are not news
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = collect()
-    finally:
-        own.setLevel(level)
+    if verbose:  # everything the libraries and the tiny runs say, as they say it, and a line per check
+        with one_thread():
+            report = collect(only, progress=sys.stderr)
+    else:
+        report = _quiet_collect(only)
     print(json.dumps(report, indent=2) if as_json else render(report))
     return 0 if report["verdict"] == "ok" else 1
+
+
+def _quiet_collect(only: list[str] | None) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet = ("transformers", "trl", "accelerate", "datasets", "torch", "vllm")
+    levels = {name: logging.getLogger(name).level for name in (*quiet, "trl_vlm_fixes")}
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # the engine and trainer lines of the self-test's own tiny runs are not news
+    logging.getLogger("trl_vlm_fixes").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), one_thread(), held_back_output():
+            warnings.simplefilter("ignore")
+            return collect(only)
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -21,9 +21,11 @@ from typing import Any
 
 from ... import metrics
 from ...call_arguments import bind
-from ...declaration import Counter, Fix, on_trainers
+from ...declaration import Counter, Fix, Plan, on_trainers
 from ...log_once import warn_once
 from ...logs import fix_logger
+from ...model_facts import markers_problem as config_markers_problem
+from ...model_facts import shares_one_placeholder
 from ...owner_state import OwnerState
 from ...vision_tokens import VisionTokens, markers_problem, model_type, vision_tokens
 
@@ -65,6 +67,15 @@ def scope(trainer: Any) -> str | None:
     """Where this trainer's model keeps TRL's markers (see ``_steps_aside``)."""
     model = getattr(trainer, "model", None)
     return _steps_aside(model, vision_tokens(getattr(trainer, "processing_class", None), model, trainer))
+
+
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: the model type's ``get_rope_index`` and placeholders, from its config."""
+    if problem := config_markers_problem(plan.config):
+        return problem
+    if shares_one_placeholder(plan.config):
+        return "images and videos share one placeholder token, so the markers cannot be told apart"
+    return None
 
 
 def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -157,4 +168,5 @@ FIX = Fix(
     counters=(REALIGNED_ROWS,),
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

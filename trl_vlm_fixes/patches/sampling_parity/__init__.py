@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from ...call_arguments import bind
 from ...declaration import Counter, Fix, Target, on_trainers
 from ...log_once import warn_once
 from ...logs import fix_logger
+from ...plan_rules import vllm_logprobs_compared
 from ...source_shape import function_tree, string_constants
 from .distribution import SamplingDistribution, effective_settings, read_distribution
 from .engine_sampler import ENGINE_SAMPLER_TARGET
@@ -252,26 +254,22 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         _step_aside(type(instance).__name__, parts, logging.WARNING)
         return wrapped(*args, **kwargs)
     assert isinstance(distribution, SamplingDistribution)
-    trainer_temperature = float(getattr(instance, "temperature", 1.0))
-    if not distribution.changes_anything and distribution.temperature == trainer_temperature:
-        result = wrapped(*args, **kwargs)  # vLLM sampled the full distribution: nothing to shift, all of it kept
-        shift = log_kept = torch.zeros_like(result[0], dtype=torch.float32)
-    else:
-        from .processed import Scorer
+    from .processed import Scorer
 
-        keep = int(bound.arguments.get("logits_to_keep") or 0)
-        scorer = Scorer(distribution, trainer_temperature)
-        with _scored_positions(*parts, keep, scorer) as pass_:
-            result = wrapped(*args, **kwargs)
-        reason = pass_.problem or (
-            "the scoring pass did not give one hidden state per scored token"
-            if not pass_.scored or sum(part.processed.numel() for part in pass_.scored) != result[0].numel()
-            else None
-        )
-        if reason:
-            _step_aside(type(instance).__name__, reason, logging.WARNING)
-            return result
-        shift, log_kept = _finished(pass_.scored, result[0])
+    # every distribution, the plain one too: where TRL's log-prob carries bf16 rounding, the fix's is float32
+    keep = int(bound.arguments.get("logits_to_keep") or 0)
+    scorer = Scorer(distribution, float(getattr(instance, "temperature", 1.0)))
+    with _scored_positions(*parts, keep, scorer) as pass_:
+        result = wrapped(*args, **kwargs)
+    reason = pass_.problem or (
+        "the scoring pass did not give one hidden state per scored token"
+        if not pass_.scored or sum(part.processed.numel() for part in pass_.scored) != result[0].numel()
+        else None
+    )
+    if reason:
+        _step_aside(type(instance).__name__, reason, logging.WARNING)
+        return result
+    shift, log_kept = _finished(pass_.scored, result[0])
     logps = result[0]
     _announce(distribution)
     rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
@@ -323,7 +321,9 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     its hook scores them from its logits before TRL divides those in place, else (TRL 1.16's fused head) the model's
     own forward hook scores them from the hidden states as the call returns, so no call's hidden states outlive it.
     TRL's tensors are only read."""
-    from .processed import Positions
+    import torch
+
+    from .processed import Positions, Scored
 
     pass_ = _Pass()
     waiting: list[tuple[Any, Any, int]] = []  # (hidden states, sampled ids, kept) of the call in progress
@@ -349,6 +349,9 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
             hidden, ids, _ = waiting.pop(0)
+            if scorer.nothing_to_cut:  # TRL's fused head gives float32 log-probs of the plain distribution
+                pass_.scored.append(Scored.pending(hidden.new_full(ids.shape, math.nan, dtype=torch.float32).flatten()))
+                continue
             if layer is None:
                 pass_.problem = f"{_SHARDED} and TRL's fused output layer gives no logits to read"
                 continue
@@ -542,4 +545,5 @@ FIX = Fix(
     counters=(SAMPLING_KEPT_MASS,),
     selftest=selftest,
     scope=scope,
+    applies=vllm_logprobs_compared,
 )

@@ -13,10 +13,19 @@ difference between trainer and engine can put it just outside the trainer's own 
 The logits are read a chunk of positions at a time and without gradient, from the model's own where its output layer
 ran (TRL 1.9.1) or projected from the hidden states that predict each scored token (TRL 1.16's fused head never
 materializes them): one float32 copy of a chunk is the largest tensor. Nothing on this path reads a value back to the
-host. A ban alone at TRL's own temperature needs no pass over the vocabulary: the banned tokens' logits and the sampled
-one's are gathered, the normaliser is TRL's own (its log-prob of the sampled token), and the kept share is 1 minus the
-banned share, a subtraction; only a position where the banned share may be most of the mass (where that subtraction
-would lose float32's digits) gets its logits to sum the kept tokens directly (one ``nonzero`` per call of the model).
+host. A ban alone at TRL's own temperature needs no pass over the cuts: the banned tokens' logits and the sampled
+one's are gathered, the normaliser is TRL's own (its log-prob of the sampled token) where TRL computed it in float32,
+and the kept share is 1 minus the banned share, a subtraction; only a position where the banned share may be most of
+the mass (where that subtraction would lose float32's digits) gets its logits to sum the kept tokens directly (one
+``nonzero`` per call of the model).
+
+Every log-prob this module gives is float32 arithmetic on the model's logits, as vLLM's are (it upcasts a bf16 model's
+logits to float32 before its temperature and log-softmax). TRL 1.9.1 divides a bf16 model's bf16 logits by the
+temperature in place and log-softmaxes them in bf16, so its log-prob carries bf16 rounding (spacing 0.03 around -5):
+where TRL's logits are not float32 (``Positions.trl_rounds``), the plain distribution's log-prob is the fix's own,
+vLLM's float32 ``log_softmax`` of the logits at the sampling temperature (``Positions.plain_log_probs``), also where
+nothing is banned or cut. TRL 1.16's fused head computes its log-probs in float32 from the same bf16 logits: they are
+used as they are, and the plain distribution then costs nothing.
 """
 
 from __future__ import annotations
@@ -70,6 +79,29 @@ class Positions:
         return self.hidden.size(0)
 
     @property
+    def trl_rounds(self) -> bool:
+        """TRL's log-prob of these positions carries its logits' rounding: it log-softmaxes them in their own dtype
+        (TRL 1.9.1 on a bf16 model). TRL 1.16's fused head (no logits read here) works in float32."""
+        return self.raw is not None and self.raw.dtype not in (torch.float32, torch.float64)
+
+    def plain_log_probs(self, temperature: float, ids: torch.Tensor) -> torch.Tensor:
+        """[rows] each row's float32 log-prob of its token ``ids`` under the plain distribution at ``temperature``,
+        with vLLM's own arithmetic (float32 logits divided by the temperature, ``log_softmax``: a log-sum-exp
+        subtracted instead is off by a few 1e-7 per token, one-signed, 1e-3 of the weight at 2,048 tokens). Two
+        float32 tensors of a chunk at a time (``CHUNK_ELEMENTS`` together)."""
+        assert self.raw is not None, "only TRL's own logits are read here"
+        width = self.raw.size(1)
+        parts = []
+        for row in range(self.raw.size(0)):
+            for chunk in _chunks(width, 2 * self.raw.size(-1)):
+                logits = self.raw[row, chunk].to(torch.float32, copy=True)
+                if temperature != 1.0:
+                    logits.div_(temperature)
+                chosen = ids[row * width + chunk.start : row * width + chunk.stop, None]
+                parts.append(torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1))
+        return torch.cat(parts)
+
+    @property
     def vocabulary(self) -> int:
         """Read from the logits where they are there (a sharded output layer's weight is not whole on this rank)."""
         if self.raw is not None:
@@ -118,21 +150,36 @@ class Positions:
 class Scored:
     """One chunk of scored positions. ``processed`` (the trainer's log-prob of the sampled token under vLLM's
     distribution) and ``log_kept`` (log of the share of the trainer's distribution the settings keep, at the sampling
-    temperature) are NaN where they follow from TRL's own log-prob (``finish``): the ban's subtraction."""
+    temperature) are NaN where they follow from the plain distribution's log-prob (``finish``): the ban's subtraction,
+    or nothing cut. That log-prob is the fix's float32 one, or NaN where it is TRL's own (TRL computed it in float32
+    at the sampling temperature)."""
 
     processed: torch.Tensor
     log_kept: torch.Tensor
     sampled_logit: torch.Tensor  # the sampled token's logit at the sampling temperature
     banned_lse: torch.Tensor  # logsumexp of the banned tokens' logits but the sampled one, at the sampling temperature
+    plain: torch.Tensor  # float32 log-prob of the sampled token under the plain distribution, or NaN: TRL's own
+    kept_lse: torch.Tensor  # the cut's kept log-sum-exp where its log_kept waits for TRL's normaliser, else NaN
+
+    @classmethod
+    def pending(cls, sampled_logit: torch.Tensor, plain: torch.Tensor | None = None) -> Scored:
+        """Positions whose processed log-prob is the plain distribution's (nothing banned or cut)."""
+        nan = torch.full_like(sampled_logit, math.nan)
+        no_ban = torch.full_like(sampled_logit, -math.inf)
+        return cls(nan, nan, sampled_logit, no_ban, nan if plain is None else plain, nan)
 
     def finish(self, trl_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift, log_kept) [rows]: TRL's log-prob + shift = the processed log-prob."""
         trl = trl_logps.to(torch.float32).reshape(-1)
-        lse = self.sampled_logit - trl  # TRL's normaliser (the ban path runs at TRL's own temperature)
-        log_kept_ban = torch.log1p(-torch.exp(self.banned_lse - lse).clamp(max=1.0))
+        full = torch.where(torch.isnan(self.plain), trl, self.plain)  # the plain distribution's log-prob
+        lse = self.sampled_logit - full
+        banned = self.banned_lse > -math.inf
+        share = torch.exp(torch.where(banned, self.banned_lse - lse, -math.inf)).clamp(max=1.0)
+        log_kept_ban = torch.log1p(-share)
         pending = torch.isnan(self.processed)
-        processed = torch.where(pending, trl - log_kept_ban, self.processed)
-        log_kept = torch.where(pending, log_kept_ban, self.log_kept)
+        processed = torch.where(pending, full - log_kept_ban, self.processed)
+        waiting = ~torch.isnan(self.kept_lse)
+        log_kept = torch.where(pending, log_kept_ban, torch.where(waiting, self.kept_lse - lse, self.log_kept))
         return processed - trl, log_kept
 
 
@@ -185,9 +232,11 @@ class VllmSteps:
         self.bias_ids = torch.tensor(bias_ids, dtype=torch.long, device=device)
         self.bias_values = torch.tensor([value for _, value in distribution.biases], device=device)
 
-    def processed(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(processed log-prob of each row's token ``ids``, log of the share of the plain distribution at the sampling
-        temperature that survives) from float32 ``logits`` [rows, vocabulary], which this overwrites."""
+    def processed(self, logits: torch.Tensor, ids: torch.Tensor, own_normaliser: bool = True) -> Scored:
+        """The processed log-prob of each row's token ``ids`` and the log of the share of the plain distribution at
+        the sampling temperature that survives, from float32 ``logits`` [rows, vocabulary], which this overwrites.
+        ``own_normaliser=False``: the plain distribution's normaliser is TRL's own (float32, at this temperature), so
+        the share waits for it (``Scored.finish``) and no log-sum-exp over the vocabulary is spent on a metric."""
         from vllm.v1.sample.ops.bad_words import apply_bad_words
         from vllm.v1.sample.sampler import Sampler
 
@@ -197,7 +246,7 @@ class VllmSteps:
         ids = ids.unsqueeze(1)
         temperature = self.distribution.temperature
         raw_sampled = logits.gather(1, ids) / temperature
-        plain_lse = _logsumexp_scaled(logits, temperature)
+        plain_lse = _logsumexp_scaled(logits, temperature) if own_normaliser else None
         if self.disallowed is not None:
             logits.masked_fill_(self.disallowed, -math.inf)
         if self.bad_words:  # one-token words ban a column: vLLM's own function on the transposed rows, all at once
@@ -212,14 +261,19 @@ class VllmSteps:
         restored = torch.where(before_cut == -math.inf, raw_sampled, before_cut)
         logits.scatter_(1, ids, torch.where(after == -math.inf, restored, after))
         sampled = logits.gather(1, ids).squeeze(1)
-        kept_lse = torch.logsumexp(logits, dim=-1)
-        processed = sampled - kept_lse
+        processed = torch.log_softmax(logits, dim=-1).gather(1, ids).squeeze(1)  # vLLM's arithmetic (plain_log_probs)
+        kept_lse = sampled - processed
         if self.bias_ids.numel():  # the kept share is of the distribution without biases: take them off the kept
             biased = logits.index_select(1, self.bias_ids) - kept_lse[:, None]
-            plain = biased - self.bias_values / temperature
-            remainder = 1 - torch.exp(biased).sum(-1) + torch.exp(plain).sum(-1)
+            unbiased = biased - self.bias_values / temperature
+            remainder = 1 - torch.exp(biased).sum(-1) + torch.exp(unbiased).sum(-1)
             kept_lse = kept_lse + torch.log(remainder.clamp(min=1e-30))
-        return processed, kept_lse - plain_lse
+        nan = torch.full_like(processed, math.nan)
+        no_ban = torch.full_like(processed, -math.inf)
+        sampled_logit = raw_sampled.squeeze(1)
+        if plain_lse is None:
+            return Scored(processed, nan, sampled_logit, no_ban, nan, kept_lse)
+        return Scored(processed, kept_lse - plain_lse, sampled_logit, no_ban, nan, nan)
 
 
 def _logsumexp_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -238,11 +292,21 @@ class Scorer:
         self._steps: dict[tuple[int, int, torch.device], VllmSteps] = {}
 
     @property
+    def same_temperature(self) -> bool:
+        """TRL scores at the sampling temperature: its normaliser is that of the plain sampling distribution."""
+        return self.distribution.temperature == self.trainer_temperature
+
+    @property
+    def nothing_to_cut(self) -> bool:
+        """vLLM samples the plain distribution at TRL's temperature: only the normaliser's precision is at stake."""
+        return self.ban_alone and not self.distribution.banned
+
+    @property
     def ban_alone(self) -> bool:
-        """A ban at TRL's own temperature: TRL's normaliser and a subtraction, no pass over the vocabulary."""
+        """A ban (or nothing) at TRL's own temperature: a normaliser and a subtraction, no pass over the cuts."""
         distribution = self.distribution
         plain = not (distribution.truncates or distribution.biases or distribution.allowed is not None)
-        return plain and distribution.temperature == self.trainer_temperature
+        return plain and self.same_temperature
 
     def steps(self, rows: int, vocabulary: int, device: torch.device) -> VllmSteps:
         key = (rows, vocabulary, device)
@@ -255,43 +319,46 @@ class Scorer:
         """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
         ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
         if self.ban_alone:
+            if not self.distribution.banned and not positions.trl_rounds:  # TRL's own log-prob is the float32 one
+                return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))
             # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
             width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
             whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
             return self._ban(positions, ids, [slice(0, len(positions))] if whole else _chunks(len(positions), width))
+        own_normaliser = positions.trl_rounds or not self.same_temperature
         parts = []
         for index in _chunks(len(positions), positions.vocabulary):
             logits = positions.rows(index)
             steps = self.steps(logits.size(0), logits.size(1), logits.device)
-            parts.append(steps.processed(logits, ids[index]))
-        processed, log_kept = (torch.cat(values) for values in zip(*parts, strict=True))
-        nan = torch.full_like(processed, math.nan)
-        return Scored(processed, log_kept, nan, nan.clone())
+            parts.append(steps.processed(logits, ids[index], own_normaliser))
+        return Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
 
     def _ban(self, positions: Positions, ids: torch.Tensor, chunks: list[slice]) -> Scored:
-        """The ban alone at TRL's temperature, from gathers: the sampled token's logit and the banned tokens' (no
-        [positions x vocabulary] tensor, so thousands of positions per chunk); full logits only for the positions
-        whose banned share may be most of the mass, found with one ``nonzero`` over all of them."""
+        """The ban alone (or nothing) at TRL's temperature, from gathers: the sampled token's logit and the banned
+        tokens' (no [positions x vocabulary] tensor, so thousands of positions per chunk); the float32 normaliser
+        where TRL's rounds; full logits only for the positions whose banned share may be most of the mass, found with
+        one ``nonzero`` over all of them."""
         distribution = self.distribution
         temperature = distribution.temperature
         sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
-        nan = torch.full_like(sampled, math.nan)
+        plain = positions.plain_log_probs(temperature, ids) if positions.trl_rounds else None
         if not distribution.banned:
-            return Scored(nan, nan.clone(), sampled, torch.full_like(sampled, -math.inf))
+            return Scored.pending(sampled, plain)
+        nan = torch.full_like(sampled, math.nan)
         banned_ids = torch.tensor(distribution.banned, device=ids.device)
         banned = torch.cat([positions.columns(index, banned_ids) for index in chunks]) / temperature
         banned.masked_fill_(banned_ids.unsqueeze(0) == ids.unsqueeze(1), -math.inf)  # the sampled token is kept
         banned_lse = torch.logsumexp(banned, dim=-1)
         # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
         share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
-        processed, log_kept = nan, nan.clone()
+        processed, log_kept = nan.clone(), nan.clone()
         dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
         for part in _chunks(dominant.numel(), positions.vocabulary):
             chosen = dominant[part]
             logits = positions.rows(chosen)
             exact = self.steps(logits.size(0), logits.size(1), logits.device).processed(logits, ids[chosen])
-            processed[chosen], log_kept[chosen] = exact
-        return Scored(processed, log_kept, sampled, banned_lse)
+            processed[chosen], log_kept[chosen] = exact.processed, exact.log_kept
+        return Scored(processed, log_kept, sampled, banned_lse, nan if plain is None else plain, nan)
 
 
 def score(
@@ -299,6 +366,17 @@ def score(
 ) -> Scored:
     """One scoring of ``positions`` (a ``Scorer`` of its own: tests and benchmarks)."""
     return Scorer(distribution, trainer_temperature).score(positions, token_ids)
+
+
+def _fields(scored: Scored) -> tuple[torch.Tensor, ...]:
+    return (
+        scored.processed,
+        scored.log_kept,
+        scored.sampled_logit,
+        scored.banned_lse,
+        scored.plain,
+        scored.kept_lse,
+    )
 
 
 def _chunks(count: int, width: int) -> list[slice]:

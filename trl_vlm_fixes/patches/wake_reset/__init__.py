@@ -26,9 +26,11 @@ from typing import Any
 
 import wrapt
 
-from ...declaration import Fix, Target
+from ...declaration import Fix, Plan, Target
 from ...logs import fix_logger
+from ...model_facts import deepstack_levels
 from ...owner_state import OwnerState
+from ...plan_rules import without_colocated_sleep, without_vllm
 
 LOGGER = fix_logger(__name__)
 _MODULE = "trl.generation.vllm_generation"
@@ -129,6 +131,19 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
+def applies(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists: colocate with sleep mode, and a served model with deepstack tensors (an
+    fp8 KV cache with computed scales has others, set by engine arguments, not the checkpoint)."""
+    if reason := without_vllm(plan, "no vLLM engine to wake") or without_colocated_sleep(
+        plan, "the engine's memory is never released"
+    ):
+        return reason
+    if not deepstack_levels(plan.config):
+        kind = plan.config.get("model_type")
+        return f"model type {kind!r} has no tensor outside its parameters and buffers that a forward reads"
+    return None
+
+
 def selftest(context: Any, family: str) -> Any:
     """vLLM's real Qwen3-VL class (the deepstack sibling of ``family``) as TRL's colocated engine on the CPU: after
     level-2 sleeps whose wakes hand out NaN pages, does TRL's generate run on a fresh model's logits?"""
@@ -170,4 +185,5 @@ FIX = Fix(
     targets=_TARGETS,
     selftest=selftest,
     scope=scope,
+    applies=applies,
 )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...declaration import Fix, Target
+from ...plan_rules import watched_calls
 from ...registry import value
 from ...switches import Setting, SwitchValueError
 from . import engine, limits, owners
@@ -114,4 +115,5 @@ FIX = Fix(
     ),
     settings=(RESUME,),
     switch_setting=SECONDS,
+    applies=watched_calls,
 )

@@ -1,10 +1,11 @@
-"""What the watchdog does when a deadline passes and Python can run: report wherever it can, then exit 75.
+"""What the watchdog does when a deadline passes and Python can run: record the hang, report it, then exit 75.
 
-Each output (stderr, the report file in ``output_dir``, logging) runs in a thread of its own within a time budget, its
-exceptions swallowed: ``sys.stderr = None``, a tee without ``fileno``, a hung filesystem or a full stderr pipe cost a
-few seconds, never the exit. stderr is a private copy of fd 2 taken at the first arm. Where even this cannot run (a C
-call holding the GIL), the kernel backstop (``backstop.py``) ends the process. The ``watch:`` line names the rule that
-fired; a restart reads it (``resume.py``).
+First the protection state in ``output_dir`` records the hang (``escalation.py``: what the next engine there is built
+with), then stderr and the report file (diagnosis; a restart resumes after it, ``resume.py``), then logging. Each
+output runs in a thread of its own within a time budget, its exceptions swallowed: ``sys.stderr = None``, a tee without
+``fileno``, a hung filesystem or a full stderr pipe cost a few seconds, never the exit. stderr is a private copy of fd
+2 taken at the first arm. Where even this cannot run (a C call holding the GIL), the kernel backstop (``backstop.py``)
+ends the process and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import escalation
+
 LOGGER = logging.getLogger("trl_vlm_fixes")
 EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what restart logic should see
-WRITE_BUDGET_SECONDS = 3.0  # stderr and the report file, written side by side
-LOG_BUDGET_SECONDS = 1.0
+STATE_BUDGET_SECONDS = 2.0  # the protection state, first: the restart's engine depends on it
+WRITE_BUDGET_SECONDS = 2.0  # stderr and the report file, written side by side
+LOG_BUDGET_SECONDS = 1.0  # all three well before the kernel backstop's exit (backstop.EXIT_AFTER_SECONDS)
 ENGINE_STEP = "engine-step"  # the colocated engine's progress rule, as the report's ``watch:`` line names it
 _saved_stderr: int | None = None
-# more lines for the report, each from another module (resume.py: this hang repeats the one the run restarted after)
-NOTES: list[Callable[[HangContext], str | None]] = []
 
 
 @dataclass
@@ -55,9 +57,19 @@ def saved_stderr() -> int:
 
 
 def fire(seconds: float, describe: Callable[[], HangContext]) -> NoReturn:
-    """Report (each output bounded in time), then end the process with exit code 75."""
+    """Record the hang, report it (each output bounded in time), then end the process with exit code 75."""
     context = _describe(describe)
-    report = hang_report(seconds, context)
+    recorded: list[list[str]] = []
+
+    def record() -> None:
+        try:
+            recorded.append(escalation.record(context.watch, context.step, context.rank, context.output_dir))
+        except Exception as error:  # noqa: BLE001 - the report must still say so, and the process still end
+            recorded.append(escalation.not_recorded(repr(error)))
+
+    _within(STATE_BUDGET_SECONDS, [record])
+    notes = recorded[0] if recorded else escalation.not_recorded(f"the write took over {STATE_BUDGET_SECONDS:g} s")
+    report = hang_report(seconds, context, notes)
     written: list[Path] = []
 
     def write_file() -> None:
@@ -142,15 +154,7 @@ def _stacks_with_qualified_names() -> str:
     return "\n".join(lines)
 
 
-def _notes(context: HangContext) -> list[str]:
-    lines = []
-    for note in NOTES:
-        with contextlib.suppress(Exception):  # a note must never keep a hung process alive
-            lines.append(note(context))
-    return [line for line in lines if line]
-
-
-def hang_report(seconds: float, context: HangContext) -> str:
+def hang_report(seconds: float, context: HangContext, notes: list[str] | None = None) -> str:
     return "\n".join(
         [
             f"trl_vlm_fixes rollout watchdog: {context.what} ran longer than {seconds:g} s "
@@ -158,7 +162,7 @@ def hang_report(seconds: float, context: HangContext) -> str:
             f"watch: {context.watch}",
             f"engine: {context.engine_settings}",
             f"likely cause: {context.likely_cause}",
-            *_notes(context),
+            *(notes or []),
             f"resume: restart the job with resume_from_checkpoint (the process exits with {EXIT_CODE}, EX_TEMPFAIL).",
             "",
             "Python stacks (qualified names):",

@@ -1,19 +1,22 @@
-"""After a watchdog exit (75) the restart resumes, into a checkpoint that can resume; the engine it builds gets the
-protection the hang reports ask for (``escalation.py``).
+"""After a watchdog exit (75) the restart resumes, into a checkpoint that can resume. (The engine it builds gets the
+protection recorded in ``output_dir``'s protection state, ``protection.py``: the reports are for resume and diagnosis.)
 
 TRL's ``trl grpo`` calls ``train()`` without ``resume_from_checkpoint`` and transformers ignores that field of the
 arguments (transformers#23325; TRL #3179, #3635). So a GRPO/RLOO ``train()`` called without one honours the field,
 else, after a hang report no run has used (``trl_vlm_fixes_hang_rank{N}.txt``), resumes from the newest checkpoint
 that can resume (``checkpoints.py``), or says in one line why none can and starts as upstream does. Every rank decides
 from the same files: no collective is added. World process zero renames the reports ``*.resumed.txt`` at
-``on_train_begin``: every rank read them when its ``train()`` began, before accelerate's ``prepare`` of the model, whose
-collectives (DDP's parameter check, FSDP's or DeepSpeed's set-up) no rank leaves before all entered them.
+``on_train_begin`` (so a later start there does not resume again): every rank read them when its ``train()`` began,
+before accelerate's ``prepare`` of the model, whose collectives (DDP's parameter check, FSDP's or DeepSpeed's set-up) no
+rank leaves before all entered them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,14 +26,33 @@ from ...declaration import Target, is_rl_trainer, on_trainers
 from ...logs import fix_logger
 from ...registry import value
 from ...switches import boolean
-from . import checkpoints, escalation
-from .escalation import REPEATED, hang_step, unused_reports
+from . import checkpoints
 
-__all__ = ["REPEATED", "RESUME", "RESUME_TARGETS", "unused_reports"]
+__all__ = ["RESUME", "RESUME_TARGETS", "unused_reports"]
 LOGGER = fix_logger(__name__)
 # the watchdog's setting ``resume`` (read at apply()); off: the watchdog still fires, a restart starts as upstream does
 RESUME = boolean("resume", "TRL_VLM_FIXES_WATCHDOG_RESUME", True)
 USED_SUFFIX = ".resumed.txt"
+_UNUSED = re.compile(r"trl_vlm_fixes_hang_rank(\d+)\.txt")
+_STEP = re.compile(r" at step (\d+)\.")
+
+
+def unused_reports(output_dir: str | os.PathLike[str] | None) -> dict[Path, str]:
+    """Every rank's hang report in ``output_dir`` that no run has resumed after yet: path -> text."""
+    found: dict[Path, str] = {}
+    if not output_dir or not os.path.isdir(output_dir):
+        return found
+    for path in sorted(Path(output_dir).iterdir()):
+        if _UNUSED.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                found[path] = path.read_text(errors="replace")
+    return found
+
+
+def hang_step(text: str) -> int | None:
+    """The step a report names on its first line (``... on rank 1 at step 3.``), for the resume line."""
+    match = _STEP.search(text.split("\n", 1)[0])
+    return int(match.group(1)) if match else None
 
 
 def _argument_value(field: Any) -> Any:
@@ -96,12 +118,11 @@ def _reports_used(reports: dict[Path, str]) -> Any:
 
 def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``Trainer.train`` of a GRPO/RLOO trainer: resume as described above when the caller named no checkpoint. The
-    reports are marked used at training start whether or not it resumes (with resume off too): the engine built for
-    this run read them already, and a later healthy run there must not get the protection again."""
+    reports are marked used at training start whether or not it resumes (with resume off too): a later start there
+    does not resume again."""
     if not is_rl_trainer(instance):
         return wrapped(*args, **kwargs)
     reports = unused_reports(getattr(instance.args, "output_dir", None))
-    escalation.restarted_after(reports)
     given = args[0] if args else kwargs.get("resume_from_checkpoint")
     if given is None and value("watchdog", RESUME.key):
         point = _resume_point(instance, reports)
@@ -121,7 +142,7 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 
 
 def init_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The trainer's ``__init__``: its ``output_dir`` is known while it builds the engine."""
+    """The trainer's ``__init__``: its engine is built with the protection state of its ``output_dir``."""
     try:
         arguments = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get("args")
     except TypeError:
