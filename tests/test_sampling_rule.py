@@ -44,6 +44,14 @@ def batch_threshold_dispatch(kernel_copy_runs: None) -> None:
         pytest.skip("the installed vLLM sends every step through its kernel itself")
 
 
+@pytest.fixture
+def trainers_rollout() -> Any:
+    """The steps of the test run as those of an engine whose trainer computes TRL's ratio (inside a GRPO rollout the
+    fix serves, where ``VLLMGeneration.generate`` enters ``engine_sampler.routed``)."""
+    with engine_sampler.routed():
+        yield
+
+
 def tie_row() -> torch.Tensor:
     """``[3, 1, 1, 1, -10, ...]``: top_k=2 cuts inside a three-way tie."""
     row = torch.full((VOCAB,), -10.0)
@@ -108,7 +116,9 @@ def test_a_tie_at_the_top_k_cut_is_kept_or_cut_by_the_steps_size_without_the_wra
 
 
 @pytest.mark.parametrize("requests", [1, 4, 7, 8])
-def test_with_the_wrapper_every_step_keeps_exactly_k_at_the_tie(requests: int, batch_threshold_dispatch: None) -> None:
+def test_with_the_wrapper_every_step_keeps_exactly_k_at_the_tie(
+    requests: int, batch_threshold_dispatch: None, trainers_rollout: None
+) -> None:
     from vllm import SamplingParams
 
     tokens = stand_in_step(tie_row().expand(requests, VOCAB), SamplingParams(top_k=2))
@@ -118,7 +128,7 @@ def test_with_the_wrapper_every_step_keeps_exactly_k_at_the_tie(requests: int, b
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(20, None), (None, 0.95), (20, 0.95), (64, 0.99)])
 def test_a_small_step_gives_exactly_what_the_rule_gives_on_bf16_logits(
-    top_k: int | None, top_p: float | None, batch_threshold_dispatch: None
+    top_k: int | None, top_p: float | None, batch_threshold_dispatch: None, trainers_rollout: None
 ) -> None:
     """With the wrapper, a step of 3 requests is the kernel's: the same kept set and log-prob as the trainer's rule,
     bit for bit; and the same rows in a step of 8 give the same (a row's result is its own)."""
@@ -182,10 +192,59 @@ def test_the_stand_in_engine_samples_a_rollouts_sequences_in_one_step(
     row[0], row[1:4] = 3.0, 1.0
     engine.served.next_logits = lambda prompt, output, vision: row.clone()  # type: ignore[method-assign]
     params = SamplingParams(n=sequences, top_k=2, max_tokens=3, logprobs=0, ignore_eos=True, seed=0)
-    (output,) = engine.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+    with engine_sampler.routed():  # a trainer's rollout (the wrapper routes only there)
+        (output,) = engine.generate([{"prompt_token_ids": [1, 2, 3]}], params)
     reported = [entry.logprob for c in output.outputs for step in c.logprobs or [] for entry in step.values()]
     assert len(reported) == 3 * sequences
     assert all(min(abs(value - e) for e in expected) < 1e-6 for value in reported), reported
+
+
+def test_an_engine_no_trainers_ratio_reads_samples_as_vllm_built_it(
+    tiny_text_model_dir: Path, batch_threshold_dispatch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper's scope: with the fix on, an engine sampling outside a rollout whose ratio the fix serves (another
+    engine of the process, RLOO's, an inference script's) keeps vLLM's dispatch (4 requests: the sort keeps the tie);
+    TRL's server engine (marked when TRL's server builds it, inherited by its workers) takes the kernel."""
+    from vllm import SamplingParams
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+
+    monkeypatch.delenv(engine_sampler.ROUTE_ENV, raising=False)
+    engine = StandInLLM(str(tiny_text_model_dir), logprobs_mode="processed_logprobs")
+    row = torch.full((engine.served.vocab_size,), -10.0)
+    row[0], row[1:4] = 3.0, 1.0
+    engine.served.next_logits = lambda prompt, output, vision: row.clone()  # type: ignore[method-assign]
+    params = SamplingParams(n=4, top_k=2, max_tokens=3, logprobs=0, ignore_eos=True, seed=0)
+
+    def reported() -> list[float]:
+        (output,) = engine.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+        return [entry.logprob for c in output.outputs for step in c.logprobs or [] for entry in step.values()]
+
+    assert all(min(abs(value - e) for e in SORT_LOGPROBS) < 1e-6 for value in reported())
+    monkeypatch.setenv(engine_sampler.ROUTE_ENV, "1")  # what TRL's server build sets (server_engine_wrapper)
+    assert all(min(abs(value - e) for e in KERNEL_LOGPROBS) < 1e-6 for value in reported())
+
+
+def test_the_v2_runners_bound_names_are_wrapped_whatever_the_import_order() -> None:
+    """vLLM's V2 model runner binds ``apply_top_k_top_p`` by name in its sampler modules: imported before the plugin
+    (a fresh process), those names are still the plugin's wrapper, and status says so."""
+    code = (
+        "import json, vllm.v1.worker.gpu.sample.sampler as s, vllm.v1.worker.gpu.sample.states as t\n"
+        "import trl_vlm_fixes, wrapt\n"
+        "from trl_vlm_fixes.patches.sampling_parity import engine_sampler\n"
+        "found = {m.__name__: isinstance(m.apply_top_k_top_p, wrapt.FunctionWrapper) for m in (s, t)}\n"
+        "wrapper = engine_sampler.send_every_step_through_triton\n"
+        "same = all(getattr(m.apply_top_k_top_p, '_self_wrapper', None) is wrapper for m in (s, t))\n"
+        "targets = trl_vlm_fixes.REGISTRY._records['sampling_parity'].targets\n"
+        "print(json.dumps({'found': found, 'same': same, 'targets': targets}))\n"
+    )
+    result = run_python(code, with_vllm=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert all(report["found"].values()) and report["same"], report
+    for module in engine_sampler.V2_MODULES:
+        key = f"{module}:apply_top_k_top_p"
+        assert report["targets"][key][0] in ("applied", "not-needed"), report["targets"]
 
 
 def test_the_stand_in_dispatches_as_on_cuda_where_vllms_platform_is_a_cpu(
@@ -391,7 +450,7 @@ def test_the_installed_vllms_dispatch_gets_the_state_its_source_calls_for() -> N
 
 
 def test_without_triton_the_wrapper_calls_vllms_own_dispatch_and_says_so_once(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, trainers_rollout: None
 ) -> None:
     """No GPU, no stand-in: vLLM has no Triton, so the wrapper leaves the step to vLLM (its sort path)."""
     pytest.importorskip("vllm")

@@ -12,13 +12,26 @@ from the wrapped function's module globals at call time, where ``forward_native`
 can set them); elsewhere it calls vLLM's function unchanged, and says so once. For 8 or more requests that is the
 call vLLM makes itself; the cost for fewer is ``benchmarks/gpu/sampler_path.py``'s. vLLM >= 0.31 sends every size to
 the kernel itself: the target is then not needed. Torch-free: the wrapper touches no tensor.
+
+Only the engines whose trainer computes TRL's ratio or off-policy mask are routed: the colocated engine while a
+GRPO rollout the fix serves generates (``routed``: sampling runs in the caller's thread there, vLLM's in-process
+executor), and TRL's server engine (``trl vllm-serve``: its only clients are TRL's trainers; marked when TRL's server
+builds it, ``ROUTE_ENV``, which the engine's worker processes inherit). Every other engine in the process samples as
+vLLM built it.
+
+vLLM's V2 model runner (0.25.1's default for models neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL) binds
+``apply_top_k_top_p`` by name in its sampler and sampling-state modules when they are imported: those names are
+wrapped too, whatever the import order (a post-import hook fires at once for a module already imported).
 """
 
 from __future__ import annotations
 
 import ast
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ...call_arguments import bind
@@ -31,6 +44,32 @@ LOGGER = fix_logger(__name__)
 MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 KERNEL = "apply_top_k_top_p_triton"
 SORT = "apply_top_k_top_p_pytorch"
+# the V2 model runner's modules that bind ``apply_top_k_top_p`` by name at their import
+V2_MODULES = ("vllm.v1.worker.gpu.sample.sampler", "vllm.v1.worker.gpu.sample.states")
+# set in a process whose engine TRL's server built; inherited by the engine's worker processes
+ROUTE_ENV = "TRL_VLM_FIXES_ROUTE_ENGINE_SAMPLER"
+
+_routed: ContextVar[bool] = ContextVar("trl_vlm_fixes_engine_sampler_routed", default=False)
+
+
+@contextmanager
+def routed() -> Iterator[None]:
+    """The engine steps run inside this block (a trainer's rollout that computes TRL's ratio) take the kernel."""
+    token = _routed.set(True)
+    try:
+        yield
+    finally:
+        _routed.reset(token)
+
+
+def routes_here() -> bool:
+    """Is the step in progress one of an engine whose trainer computes TRL's ratio or mask?"""
+    return _routed.get() or os.environ.get(ROUTE_ENV) == "1"
+
+
+def mark_server_engine() -> None:
+    """TRL's server is building its engine: this process and its engine's workers route every step."""
+    os.environ[ROUTE_ENV] = "1"
 
 
 def _why_not_routed(scope: dict[str, Any]) -> str | None:
@@ -45,6 +84,8 @@ def send_every_step_through_triton(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``apply_top_k_top_p(logits, k, p)``: the Triton kernel whatever the step's size, where vLLM has it."""
+    if not routes_here():  # an engine whose trainer computes no ratio (or none at all): as vLLM built it
+        return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs).arguments
     if arguments.get("k") is None and arguments.get("p") is None:
         return wrapped(*args, **kwargs)
@@ -89,11 +130,40 @@ def every_step_on_kernel(function: Callable[..., Any]) -> str | None:
     return f"vLLM's apply_top_k_top_p sends every step through {KERNEL} whatever its size"
 
 
-ENGINE_SAMPLER_TARGET = Target(
-    MODULE,
-    "apply_top_k_top_p",
-    send_every_step_through_triton,
-    required_parameters=("logits", "k", "p"),
-    shape_problem=dispatch_problem,
-    upstream_fixed=every_step_on_kernel,
+def _unwrapped(function: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's own function behind a name the V2 runner bound after the plugin wrapped it."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
+def _v2_dispatch_problem(function: Callable[..., Any]) -> str | None:
+    return dispatch_problem(_unwrapped(function))
+
+
+def _v2_every_step_on_kernel(function: Callable[..., Any]) -> str | None:
+    return every_step_on_kernel(_unwrapped(function))
+
+
+ENGINE_SAMPLER_TARGETS = (
+    Target(
+        MODULE,
+        "apply_top_k_top_p",
+        send_every_step_through_triton,
+        required_parameters=("logits", "k", "p"),
+        shape_problem=dispatch_problem,
+        upstream_fixed=every_step_on_kernel,
+    ),
+    *(
+        Target(
+            module,
+            "apply_top_k_top_p",
+            send_every_step_through_triton,
+            required_parameters=("logits", "k", "p"),
+            shape_problem=_v2_dispatch_problem,
+            upstream_fixed=_v2_every_step_on_kernel,
+            optional=True,
+        )
+        for module in V2_MODULES
+    ),
 )
