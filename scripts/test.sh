@@ -17,10 +17,11 @@
 # (the plugin's own mechanisms, which import no TRL/transformers/vLLM code on the path they test: the watchdog's timer,
 # backstop, report and limits files, the resume decision over checkpoint folders; the launcher's bootstrap; the GPU
 # scripts' dry runs: the GPU record runs only the validated stack, so its scripts are checked there). Every other
-# test that runs TRL, transformers or vLLM code runs on both. Also marked: a test whose only TRL/vLLM contact is
-# reading the plugin's declarations or a stand-in with TRL and torch hidden (the self-test's `--only` validation,
-# its message without TRL). A test moved to one stack, one variant or the unit level says in a comment where the
-# coverage it had now lives.
+# test that runs TRL, transformers or vLLM code runs on both. Also marked, by the same rule: the plugin's switch parsing
+# and version comparison at its import, its metric counters (on torch tensors: torch is 2.14.1 on every stack),
+# ARCHITECTURE.md's worked example against the plugin's source, the self-test's `--only` validation and its message
+# with TRL hidden. A test moved to one stack, one variant or the unit level says in a comment where the coverage it
+# had now lives.
 #
 # --dist worksteal: a worker that runs out of tests takes queued ones from the others, so one worker is not left with
 # a queue of slow end-to-end tests while the rest idle at the end.

@@ -149,9 +149,18 @@ def test_a_cut_at_trls_temperature_takes_its_kept_share_from_trls_float32_normal
 
 @pytest.fixture(scope="module")
 def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bf16-logits tests' checkpoint (only they serve it: the engine stand-in keeps one served model per
+    checkpoint, built with their bf16 output layer)."""
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
 
     return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("peaked-bf16"), sharpness=20.0)
+
+
+@pytest.fixture(scope="module")
+def float32_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("peaked-float32"), sharpness=20.0)
 
 
 @pytest.fixture
@@ -229,3 +238,44 @@ def test_grpo_with_a_bf16_models_logits_weighs_one_with_the_fix(
         assert abs(fixed[f"sampling/importance_sampling_ratio/{key}"] - 1.0) < 1e-4, fixed
     assert fixed["sampling/sampling_logp_difference/max"] < 1e-5, fixed
     assert fixed["trl_vlm_fixes/sampling_kept_mass"] < 1.0  # the ban acted (placeholders are as likely as any token)
+
+
+def test_positions_after_a_completion_ended_are_not_scored(
+    float32_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cut's pass over the vocabulary reads only the positions TRL's completion mask keeps: a batch padded to its
+    longest completion scores no padding (TRL 1.9.1's logits, one row at a time), and the ratio is still 1."""
+    if not trls_scoring_pass_makes_logits():
+        pytest.skip("TRL's fused head gives no logits: the padding is TRL's to skip there")
+    import trl.generation.vllm_generation as vllm_generation
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.fixtures import build_trainer, text_dataset
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    read: list[int] = []
+    rows = processed.Positions.rows
+    monkeypatch.setattr(
+        processed.Positions, "rows", lambda self, index: read.append(len(range(len(self))[index])) or rows(self, index)
+    )
+    trainer = build_trainer(
+        float32_model_dir,
+        AutoProcessor.from_pretrained(float32_model_dir),
+        str(tmp_path / "out"),
+        use_vllm=True,
+        vllm_mode="colocate",
+        max_steps=1,
+        max_completion_length=24,
+        # a third of the vocabulary stops a sequence: completions of different lengths, padded to the longest
+        generation_kwargs={"top_k": 20, "stop_token_ids": list(range(0, 240, 5))},
+        dataset=text_dataset(),
+    )
+    trainer.train()
+    log = next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)
+    completions = trainer.args.per_device_train_batch_size
+    assert log["completions/min_length"] < log["completions/max_length"], log  # some rows are padded
+    for key in ("min", "mean", "max"):
+        assert abs(log[f"sampling/importance_sampling_ratio/{key}"] - 1.0) < 1e-5, (key, log)
+    assert sum(read) == round(log["completions/mean_length"] * completions), (read, log)
+    assert sum(read) < completions * log["completions/max_length"]

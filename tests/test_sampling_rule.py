@@ -475,3 +475,20 @@ def _said_afresh() -> Iterator[None]:
     log_once.forget()
     yield
     assert trl_vlm_fixes.status()  # the plugin still answers after every test
+
+
+def test_a_top_p_cut_whose_rule_depends_on_the_steps_size_is_named() -> None:
+    """vLLM 0.31's top-p without top-k: steps of at most 64 requests take a split-row pipeline on CUDA, larger calls
+    the monolithic kernel; the fix names it (and steps aside) exactly where the installed kernel has that split, and
+    only for CUDA tensors without an active top-k."""
+    import inspect
+
+    import vllm.v1.sample.ops.topk_topp_triton as kernel
+
+    split = "use_split" in inspect.getsource(kernel.apply_top_k_top_p_triton)
+    cuda = torch.device("cuda")
+    reason = vllm_rule.size_dependent_top_p(0, 0.95, cuda)
+    assert (reason is not None) == split, reason
+    assert vllm_rule.size_dependent_top_p(20, 0.95, cuda) is None  # an active top-k: the monolithic kernel
+    assert vllm_rule.size_dependent_top_p(0, 0.95, torch.device("cpu")) is None
+    assert vllm_rule.size_dependent_top_p(0, 1.0, cuda) is None

@@ -269,6 +269,11 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         return wrapped(*args, **kwargs)
     assert isinstance(distribution, SamplingDistribution)
     from .processed import Scorer
+    from .vllm_rule import size_dependent_top_p
+
+    if reason := size_dependent_top_p(distribution.top_k, distribution.top_p, parts[2].weight.device):
+        _step_aside(type(instance).__name__, reason, logging.WARNING)
+        return wrapped(*args, **kwargs)
 
     # every distribution, the plain one too: where TRL's log-prob carries bf16 rounding, the fix's is float32
     keep = int(bound.arguments.get("logits_to_keep") or 0)
@@ -340,7 +345,8 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     from .processed import Positions, Scored
 
     pass_ = _Pass()
-    waiting: list[tuple[Any, Any, int]] = []  # (hidden states, sampled ids, kept) of the call in progress
+    # (hidden states, sampled ids, kept, attention mask of the scored positions) of the call in progress
+    waiting: list[tuple[Any, Any, int, Any]] = []
 
     def on_backbone(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -348,21 +354,27 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
         if input_ids is None or hidden is None:
             return
         kept = keep or input_ids.size(1) - 1
-        waiting.append((hidden[:, -(kept + 1) : -1, :], input_ids[:, -kept:], kept))  # position j predicts j + 1
+        mask = kwargs.get("attention_mask")
+        scored_mask = mask[:, -kept:] if mask is not None and mask.dim() == 2 else None
+        # position j predicts j + 1
+        waiting.append((hidden[:, -(kept + 1) : -1, :], input_ids[:, -kept:], kept, scored_mask))
 
     def on_head(module: Any, args: Any, output: Any) -> None:
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
-            hidden, ids, kept = waiting.pop()
+            hidden, ids, kept, mask = waiting.pop()
             logits = output[:, -(kept + 1) : -1, :]
             if scorer.ban_alone:  # gathers from the whole call's logits at once
                 pass_.scored.append(scorer.score(Positions(hidden, layer, logits), ids))
                 return
-            for row in range(output.size(0)):  # one row's positions are a view of TRL's logits; several, a copy
-                pass_.scored.append(scorer.score(Positions(hidden[row], layer, logits[row]), ids[row]))
+            for row, length in enumerate(_completion_lengths(mask, output.size(0), kept)):
+                # one row's positions are a view of TRL's logits (several, a copy); none after the completion ended:
+                # padding the loss and the ratio mask away keeps TRL's own log-prob (shift 0)
+                scored = scorer.score(Positions(hidden[row, :length], layer, logits[row, :length]), ids[row, :length])
+                pass_.scored.append(scored.padded(kept))
 
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
-            hidden, ids, _ = waiting.pop(0)
+            hidden, ids, _, _ = waiting.pop(0)
             if scorer.nothing_to_cut:  # TRL's fused head gives float32 log-probs of the plain distribution
                 pass_.scored.append(Scored.pending(hidden.new_full(ids.shape, math.nan, dtype=torch.float32).flatten()))
                 continue
@@ -380,6 +392,17 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _completion_lengths(mask: Any, rows: int, kept: int) -> list[int]:
+    """Per row, the scored positions up to the last one the attention mask keeps (TRL's completion mask: ones, then
+    zeros after the end of the sequence); every position where there is no mask. One read to the host per call."""
+    if mask is None:
+        return [kept] * rows
+    import torch
+
+    positions = torch.arange(1, kept + 1, device=mask.device)
+    return [int(length) for length in (mask.ne(0) * positions).amax(dim=1).tolist()]
 
 
 def _finished(scored: list[Any], trl_logps: Any) -> tuple[Any, Any]:

@@ -168,6 +168,15 @@ class Scored:
         no_ban = torch.full_like(sampled_logit, -math.inf)
         return cls(nan, nan, sampled_logit, no_ban, nan if plain is None else plain, nan)
 
+    def padded(self, rows: int) -> Scored:
+        """These positions followed by unscored ones up to ``rows`` (after the sequence ended): TRL's own log-prob
+        there, nothing kept or cut."""
+        missing = rows - self.processed.numel()
+        if missing == 0:
+            return self
+        tail = Scored.pending(self.processed.new_full((missing,), math.nan))
+        return Scored(*(torch.cat(pair) for pair in zip(_fields(self), _fields(tail), strict=True)))
+
     def finish(self, trl_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift, log_kept) [rows]: TRL's log-prob + shift = the processed log-prob."""
         trl = trl_logps.to(torch.float32).reshape(-1)
@@ -318,6 +327,8 @@ class Scorer:
     def score(self, positions: Positions, token_ids: torch.Tensor) -> Scored:
         """For the scored positions and their sampled ids [...]: one ``Scored`` over all of them."""
         ids = token_ids.reshape(-1).to(device=positions.hidden.device, dtype=torch.long)
+        if len(positions) == 0:  # a completion that ended before its first scored position
+            return Scored.pending(torch.full((0,), math.nan, device=ids.device))
         if self.ban_alone:
             if not self.distribution.banned and not positions.trl_rounds:  # TRL's own log-prob is the float32 one
                 return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))

@@ -79,3 +79,24 @@ def describe() -> str:
             "(8192/4096), in the engine stand-in and for the trainer alike"
         )
     return f"vLLM's sort-based top-k/top-p (apply_top_k_top_p_pytorch) at every step: vLLM has no Triton, and {reason}"
+
+
+def size_dependent_top_p(top_k: int, top_p: float, device: torch.device) -> str | None:
+    """Why the engine's top-p cut and the trainer's cannot take one rule, or None. vLLM >= 0.31 sends a CUDA call of
+    top-p without top-k and at most ``_SPLIT_MAX_BATCH`` rows (an engine step of up to 64 requests) through a
+    split-row pipeline whose rows are split by the call's size and the GPU's SM count, larger calls (the trainer's
+    chunks) through the monolithic kernel: a row's cut depends on its step. A row with an active top-k takes the
+    monolithic kernel whatever the call's size."""
+    if device.type != "cuda" or top_p >= 1.0 or top_k > 0:
+        return None
+    import importlib
+
+    module = importlib.import_module("vllm.v1.sample.ops.topk_topp_triton")
+    limit = getattr(module, "_SPLIT_MAX_BATCH", None)
+    if limit is None:
+        return None
+    return (
+        f"vLLM's top-p without top-k takes a split-row pipeline in engine steps of at most {limit} requests (its split "
+        "set by the step's size and the GPU's SM count) and its monolithic kernel in larger calls, so the engine's "
+        "cut and the trainer's differ by step (set top_k to keep the ratio exact)"
+    )
