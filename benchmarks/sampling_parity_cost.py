@@ -1,4 +1,5 @@
-"""sampling_parity's cost beside the scoring pass it joins, at Qwen3.5's vocabulary (248,320), measured in one run.
+"""sampling_parity's cost beside the scoring pass it joins, at Qwen3.5's vocabulary (248,320; ``--vocabulary 151936``
+for Qwen3-VL's), measured in one run.
 
     python benchmarks/sampling_parity_cost.py [--hidden 1024] [--layers 8] [--rows 4] [--completion 256]
         [--device cuda --dtype bfloat16]   # on a GPU, at a user's size (benchmarks/gpu/run_issue32.sh cost)
@@ -7,8 +8,9 @@
                           # interpreter (seconds per row at this vocabulary: not a cost a GPU run pays)
 The fix adds no forward pass: in the no-gradient scoring pass that gives TRL's ``old_per_token_logps`` it takes the
 hidden states that predict each scored token and computes its log-prob under vLLM's processed distribution
-(``patches/sampling_parity/processed.py``): for a ban alone, the banned tokens' logits and the sampled one's
-(gathers) and TRL's own normaliser, a subtraction; with truncation the trainer's own min-p/top-k/top-p over the
+(``patches/sampling_parity/processed.py``): with nothing cut or a ban alone, the banned tokens' logits and the
+sampled one's (gathers) and the plain log-prob (TRL's own where it is float32, else one float32 log-softmax pass over
+the vocabulary: TRL 1.9.1's bf16 logits), a subtraction; with truncation the trainer's own min-p/top-k/top-p over the
 vocabulary through vLLM's own functions (its processors, its top-k/top-p: the Triton kernel on a GPU), reading TRL
 1.9.1's logits one completion at a time as the fix's hook does, or projecting chunks of positions through the output
 layer again (TRL 1.16's fused head never keeps the logits). That work is timed here against the
@@ -34,6 +36,7 @@ VOCABULARY = 248_320  # Qwen3.5's
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocabulary", type=int, default=VOCABULARY, help="248,320 (Qwen3.5) or 151,936 (Qwen3-VL)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4, help="completions in one scoring chunk")
     parser.add_argument("--prompt", type=int, default=256)
@@ -70,7 +73,7 @@ def main() -> None:
         torch.set_default_device(args.device)  # the model, the prompts and the fix's work on the GPU
     heads = max(2, args.hidden // 128)
     config = Qwen3_5TextConfig(
-        vocab_size=VOCABULARY,
+        vocab_size=args.vocabulary,
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,
         tie_word_embeddings=False,
@@ -103,8 +106,9 @@ def main() -> None:
     with torch.no_grad():
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, -(keep + 1) : -1]
     completion = ids[:, -keep:]
-    banned = tuple(range(248_000, 248_008))
+    banned = tuple(range(args.vocabulary - 320, args.vocabulary - 312))
     cases: dict[str, dict[str, Any]] = {
+        "nothing cut": {},  # float32 log-probs: a pass over the vocabulary where TRL's logits are bf16
         "ban (8 placeholders)": {"banned": banned},
         "top_k=20, top_p=0.95 + ban": {"top_k": 20, "top_p": 0.95, "banned": banned},
         "top_p=0.95 alone": {"top_p": 0.95},
@@ -113,7 +117,7 @@ def main() -> None:
     tokens = args.rows * keep
     print(
         f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
-        f"vocabulary {VOCABULARY:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms "
+        f"vocabulary {args.vocabulary:,}, {args.dtype} on {args.device}: {seconds_pass * 1e3:.0f} ms "
         f"(the fix's chunks: {processed.CHUNK_ELEMENTS:,} elements; top-k/top-p: {args.rule})"
     )
     print(f"  {'settings':<28} {'core':<7} {'logits read (TRL 1.9.1)':>30} {'projected (TRL 1.16 fused head)':>34}")
