@@ -104,24 +104,34 @@ def test_the_trainers_log_prob_is_float32_arithmetic_on_bf16_logits(
         assert torch.all(log_kept == 0)  # nothing cut: the share kept is all of it
 
 
-def test_the_sampled_tokens_logit_is_the_only_value_trl_gives_where_its_log_prob_is_float32() -> None:
-    """Float32 logits (TRL's log-softmax in float32, or TRL 1.16's fused head): TRL's own normaliser is exact and the
-    plain distribution costs nothing: no pass over the vocabulary, TRL's log-prob unchanged."""
-    logits = bf16_logits(32).float()
+def test_trls_float32_log_softmax_is_replaced_by_vllms_arithmetic_too() -> None:
+    """Float32 logits (a float32 model on TRL 1.9.1): TRL's float32 branch subtracts a log-sum-exp, vLLM runs
+    ``log_softmax``: a few 1e-7 per token, one-signed, over a 2,048-token completion more than 1e-4 of the weight.
+    The fix's log-prob is vLLM's arithmetic there too."""
+    logits = bf16_logits(2048).float()
     ids, engine = vllm_log_probs(logits, {"temperature": 1.0})
     trl = trls_log_probs(logits, ids, 1.0)
-    positions = processed.Positions(torch.zeros(32, 1), None, logits)
-    assert not positions.trl_rounds
-    called: list[int] = []
-    original = processed.Positions.plain_log_probs
-    processed.Positions.plain_log_probs = lambda self, *a: called.append(1) or original(self, *a)  # type: ignore[method-assign]
-    try:
-        shift, log_kept = processed.score(positions, ids, SamplingDistribution(temperature=1.0), 1.0).finish(trl)
-    finally:
-        processed.Positions.plain_log_probs = original  # type: ignore[method-assign]
-    assert not called
+    assert trl.dtype == torch.float32
+    assert abs(sequence_weight(trl, engine) - 1.0) > 1e-4, sequence_weight(trl, engine)
+    positions = processed.Positions(torch.zeros(2048, 1), None, logits)
+    shift, log_kept = processed.score(positions, ids, SamplingDistribution(temperature=1.0), 1.0).finish(trl)
+    assert abs(sequence_weight(trl + shift, engine) - 1.0) < 1e-4, sequence_weight(trl + shift, engine)
+    assert torch.all(log_kept == 0)
+
+
+def test_a_fused_heads_float32_log_probs_are_used_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL 1.16's fused head keeps no logits and gives float32 log-probs: nothing cut costs nothing there (no pass
+    over the vocabulary, no projection), TRL's log-prob unchanged."""
+    hidden = torch.randn(32, 8)
+    layer = processed.OutputLayer(torch.randn(64, 8))
+    trl = torch.log_softmax(layer.logits(hidden), -1)[:, 0]
+    monkeypatch.setattr(processed.Positions, "plain_log_probs", lambda *a: pytest.fail("a pass over the vocabulary"))
+    monkeypatch.setattr(processed.OutputLayer, "logits", lambda *a: pytest.fail("a projection"))
+    positions = processed.Positions(hidden, layer)
+    assert not positions.own_log_probs
+    ids = torch.zeros(32, dtype=torch.long)
+    shift, log_kept = processed.score(positions, ids, SamplingDistribution(temperature=1.0), 1.0).finish(trl)
     assert torch.all(shift == 0) and torch.all(log_kept == 0)
-    assert float((trl - engine).abs().max()) < 1e-5
 
 
 def test_a_cut_at_trls_temperature_takes_its_kept_share_from_trls_float32_normaliser() -> None:
@@ -240,11 +250,13 @@ def test_grpo_with_a_bf16_models_logits_weighs_one_with_the_fix(
     assert fixed["trl_vlm_fixes/sampling_kept_mass"] < 1.0  # the ban acted (placeholders are as likely as any token)
 
 
+@pytest.mark.parametrize("cut", [{"top_k": 20}, {}], ids=["top_k (one row at a time)", "ban alone (the call)"])
 def test_positions_after_a_completion_ended_are_not_scored(
-    float32_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cut: dict[str, Any], float32_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cut's pass over the vocabulary reads only the positions TRL's completion mask keeps: a batch padded to its
-    longest completion scores no padding (TRL 1.9.1's logits, one row at a time), and the ratio is still 1."""
+    """The fix's passes over the vocabulary read only the positions TRL's completion mask keeps: a batch padded to
+    its longest completion scores no padding (TRL 1.9.1's logits; the cut's rows and the ban's call alike), and the
+    ratio is still 1."""
     if not trls_scoring_pass_makes_logits():
         pytest.skip("TRL's fused head gives no logits: the padding is TRL's to skip there")
     import trl.generation.vllm_generation as vllm_generation
@@ -255,10 +267,24 @@ def test_positions_after_a_completion_ended_are_not_scored(
 
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
     read: list[int] = []
-    rows = processed.Positions.rows
-    monkeypatch.setattr(
-        processed.Positions, "rows", lambda self, index: read.append(len(range(len(self))[index])) or rows(self, index)
-    )
+    log_softmax = torch.log_softmax  # the fix's (vLLM's arithmetic); TRL and vLLM's Sampler call other functions
+    plain = processed.Positions.plain_log_probs
+    in_plain_pass = [False]
+
+    def counting(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if cut or in_plain_pass[0]:  # the ban's own full rows (positions it may dominate) are not its plain pass
+            read.append(logits.size(0))
+        return log_softmax(logits, *args, **kwargs)
+
+    def plain_pass(self: Any, *args: Any) -> torch.Tensor:
+        in_plain_pass[0] = True
+        try:
+            return plain(self, *args)
+        finally:
+            in_plain_pass[0] = False
+
+    monkeypatch.setattr(torch, "log_softmax", counting)
+    monkeypatch.setattr(processed.Positions, "plain_log_probs", plain_pass)
     trainer = build_trainer(
         float32_model_dir,
         AutoProcessor.from_pretrained(float32_model_dir),
@@ -267,8 +293,8 @@ def test_positions_after_a_completion_ended_are_not_scored(
         vllm_mode="colocate",
         max_steps=1,
         max_completion_length=24,
-        # a third of the vocabulary stops a sequence: completions of different lengths, padded to the longest
-        generation_kwargs={"top_k": 20, "stop_token_ids": list(range(0, 240, 5))},
+        # a fifth of the vocabulary stops a sequence: completions of different lengths, padded to the longest
+        generation_kwargs={**cut, "stop_token_ids": list(range(0, 240, 5))},
         dataset=text_dataset(),
     )
     trainer.train()

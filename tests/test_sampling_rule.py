@@ -487,8 +487,94 @@ def test_a_top_p_cut_whose_rule_depends_on_the_steps_size_is_named() -> None:
 
     split = "use_split" in inspect.getsource(kernel.apply_top_k_top_p_triton)
     cuda = torch.device("cuda")
-    reason = vllm_rule.size_dependent_top_p(0, 0.95, cuda)
+    reason = vllm_rule.size_dependent_top_p(0, 0.95, cuda, VOCAB)
     assert (reason is not None) == split, reason
-    assert vllm_rule.size_dependent_top_p(20, 0.95, cuda) is None  # an active top-k: the monolithic kernel
-    assert vllm_rule.size_dependent_top_p(0, 0.95, torch.device("cpu")) is None
-    assert vllm_rule.size_dependent_top_p(0, 1.0, cuda) is None
+    assert vllm_rule.size_dependent_top_p(20, 0.95, cuda, VOCAB) is None  # an active top-k: the monolithic kernel
+    # a top-k of the whole vocabulary is no top-k (InputBatch passes none): the split pipeline again
+    assert (vllm_rule.size_dependent_top_p(VOCAB, 0.95, cuda, VOCAB) is not None) == split
+    assert vllm_rule.size_dependent_top_p(0, 0.95, torch.device("cpu"), VOCAB) is None
+    assert vllm_rule.size_dependent_top_p(0, 1.0, cuda, VOCAB) is None
+
+
+def test_the_scoring_pass_steps_aside_where_the_top_p_rule_depends_on_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The path: where ``size_dependent_top_p`` gives a reason (vLLM 0.31 on CUDA; stood in here on the CPU), GRPO's
+    scoring pass keeps TRL's ratio and one WARNING says why; elsewhere the same rollout's ratio is the fix's (1)."""
+    import trl.generation.vllm_generation as vllm_generation
+    from transformers import AutoProcessor
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.fixtures import build_trainer, text_dataset
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+
+    monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
+    model_dir = build_tiny_qwen35_vlm(tmp_path / "model", sharpness=20.0)
+    processor = AutoProcessor.from_pretrained(model_dir)
+
+    def ratio(out: str) -> float:
+        trainer = build_trainer(
+            model_dir,
+            processor,
+            str(tmp_path / out),
+            use_vllm=True,
+            vllm_mode="colocate",
+            max_steps=1,
+            max_completion_length=16,
+            generation_kwargs={"seed": 0, "top_p": 0.8},
+            dataset=text_dataset(),
+        )
+        trainer.train()
+        return next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)[
+            "sampling/importance_sampling_ratio/mean"
+        ]
+
+    assert abs(ratio("exact") - 1.0) < 1e-5
+    monkeypatch.setattr(vllm_rule, "size_dependent_top_p", lambda k, p, device, vocabulary: "a size-dependent rule")
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        stepped_aside = ratio("aside")
+    assert stepped_aside < 0.9  # TRL's ratio: the cut's share is in it
+    assert any("a size-dependent rule" in record.getMessage() for record in caplog.records)
+
+
+def test_trls_server_marks_its_engine_and_no_other_engine_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm.LLM(...)`` called from TRL's ``vllm_serve.py`` (its file on the stack, whatever its module's name)
+    marks the process and the engine's future workers for routing; the same call from anywhere else does not."""
+    import os
+
+    import trl.scripts.vllm_serve as vllm_serve
+    from vllm import LLM
+
+    monkeypatch.setenv(engine_sampler.ROUTE_ENV, "")  # unset again after the test, whatever the wrapper sets
+    bogus = str(tmp_path / "no-model")
+
+    def build_from(filename: str) -> None:
+        code = compile("try:\n    LLM(model=BOGUS)\nexcept Exception:\n    pass\n", filename, "exec")
+        exec(code, {"LLM": LLM, "BOGUS": bogus})  # a call site in the named file
+
+    build_from(str(tmp_path / "user_script.py"))
+    assert os.environ[engine_sampler.ROUTE_ENV] != "1"
+    build_from(vllm_serve.__file__)
+    assert os.environ.get(engine_sampler.ROUTE_ENV) == "1"
+    assert engine_sampler.routes_here()
+
+
+def test_a_v2_runner_engine_is_named_where_the_trainer_applies_v1s_functions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The colocated engine's runner is read; on V2 one WARNING says what the trainer does not reproduce."""
+    from types import SimpleNamespace
+
+    from trl_vlm_fixes.patches import sampling_parity
+
+    def generation(v2: bool) -> Any:
+        config = SimpleNamespace(use_v2_model_runner=v2)
+        return SimpleNamespace(mode="colocate", llm=SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)))
+
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        sampling_parity._warn_if_v2_runner(generation(False))
+        assert not caplog.records
+        sampling_parity._warn_if_v2_runner(generation(True))
+    assert len(caplog.records) == 1 and "V2 model runner" in caplog.records[0].getMessage()

@@ -12,8 +12,11 @@ torch's key-value store (``agree_in_group``): a difference is an error at build,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,12 +109,19 @@ def write_state(output_dir: str | os.PathLike[str], level: Level, hangs: list[di
     """Replace the state whole (temporary file, fsync, ``os.replace``): a reader sees the old state or the new."""
     path = state_path(output_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+    # a name of this host, process and thread: ranks of several nodes sharing the directory never share a partial file
+    partial = path.with_name(f".{STATE_FILE}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(partial, "w") as handle:
         json.dump({"level": level.name, "hangs": hangs[-KEPT_HANGS:]}, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(partial, path)
+    with contextlib.suppress(OSError):  # the rename itself survives a preemption once the directory is on disk
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     return path
 
 

@@ -124,12 +124,28 @@ def server_engine_wrapper(
 
 
 def _asked_for(generation: Any) -> SamplingDistribution | str:
+    _warn_if_v2_runner(generation)
     mode = _logprobs_mode(generation)
     if mode not in (None, "processed_logprobs"):
         return f"the engine returns {mode}, not processed_logprobs"
     processing = getattr(generation, "processing_class", None)
     tokenizer = getattr(processing, "tokenizer", processing)
     return read_distribution(effective_settings(generation), tokenizer)
+
+
+def _warn_if_v2_runner(generation: Any) -> None:
+    """vLLM's V2 model runner (0.25.1's default for Qwen3-VL and Qwen2.5-VL) samples with kernels of its own for the
+    temperature, min-p and the log-softmax; the trainer applies V1's functions: say so, once per process."""
+    config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
+    if getattr(generation, "mode", None) == "colocate" and getattr(config, "use_v2_model_runner", False) is True:
+        warn_once(
+            ("sampling_parity", "V2 model runner"),
+            "the colocated engine runs vLLM's V2 model runner, whose temperature, min-p and log-softmax kernels are "
+            "not the V1 functions the trainer applies: the ratio can keep a small per-token difference there "
+            "(unmeasured). VLLM_USE_V2_MODEL_RUNNER=0 in the engine's environment gives the V1 runner the fix is "
+            "proven on.",
+            logger=LOGGER,
+        )
 
 
 def _logprobs_mode(generation: Any) -> str | None:
@@ -271,7 +287,9 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     from .processed import Scorer
     from .vllm_rule import size_dependent_top_p
 
-    if reason := size_dependent_top_p(distribution.top_k, distribution.top_p, parts[2].weight.device):
+    head = parts[2]
+    vocabulary = int(getattr(head, "out_features", 0) or head.weight.size(0))
+    if reason := size_dependent_top_p(distribution.top_k, distribution.top_p, head.weight.device, vocabulary):
         _step_aside(type(instance).__name__, reason, logging.WARNING)
         return wrapped(*args, **kwargs)
 
@@ -289,6 +307,11 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         _step_aside(type(instance).__name__, reason, logging.WARNING)
         return result
     shift, log_kept = _finished(pass_.scored, result[0])
+    mask = bound.arguments.get("attention_mask")
+    if mask is not None and mask.dim() == 2 and mask[:, -shift.size(-1) :].shape == shift.shape:
+        # where TRL's mask ends a completion its log-prob is not a sampled token's (TRL 1.16 gives 0): nothing there
+        scored = mask[:, -shift.size(-1) :].ne(0)
+        shift, log_kept = shift.where(scored, 0.0), log_kept.where(scored, 0.0)
     logps = result[0]
     _announce(distribution)
     rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
@@ -363,10 +386,11 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
             hidden, ids, kept, mask = waiting.pop()
             logits = output[:, -(kept + 1) : -1, :]
-            if scorer.ban_alone:  # gathers from the whole call's logits at once
-                pass_.scored.append(scorer.score(Positions(hidden, layer, logits), ids))
+            lengths = _completion_lengths(mask, output.size(0), kept)
+            if scorer.ban_alone:  # gathers from the whole call's logits at once; the rows' log-softmax up to their end
+                pass_.scored.append(scorer.score(Positions(hidden, layer, logits, lengths), ids))
                 return
-            for row, length in enumerate(_completion_lengths(mask, output.size(0), kept)):
+            for row, length in enumerate(lengths):
                 # one row's positions are a view of TRL's logits (several, a copy); none after the completion ended:
                 # padding the loss and the ratio mask away keeps TRL's own log-prob (shift 0)
                 scored = scorer.score(Positions(hidden[row, :length], layer, logits[row, :length]), ids[row, :length])

@@ -68,10 +68,18 @@ class Positions:
     of TRL's [rows, positions, vocabulary] logits, never copied whole; the layer may then be sharded, ``layer``
     None), else projected from the hidden states that predict them (TRL 1.16's fused head), a chunk at a time."""
 
-    def __init__(self, hidden: torch.Tensor, layer: OutputLayer | None, logits: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        layer: OutputLayer | None,
+        logits: torch.Tensor | None = None,
+        lengths: list[int] | None = None,
+    ) -> None:
         self.hidden = hidden.reshape(-1, hidden.size(-1))
         self.layer = layer
         self.raw = None if logits is None else logits.unsqueeze(0) if logits.dim() == 2 else logits
+        # per row of ``raw``, the positions up to the end of its completion (the rest is padding: not read)
+        self.lengths = lengths
         if self.raw is None and layer is None:
             raise ValueError("positions without logits need the whole output layer")
 
@@ -84,6 +92,15 @@ class Positions:
         (TRL 1.9.1 on a bf16 model). TRL 1.16's fused head (no logits read here) works in float32."""
         return self.raw is not None and self.raw.dtype not in (torch.float32, torch.float64)
 
+    @property
+    def own_log_probs(self) -> bool:
+        """The plain distribution's log-prob is the fix's, vLLM's arithmetic, wherever TRL's logits are here (TRL
+        1.9.1): TRL's log-softmax of bf16 logits is rounded to bf16, and of float32 ones is a subtracted log-sum-exp,
+        off by ~3e-7 nats per token, one-signed (6e-4 of the weight at 2,048 tokens). TRL 1.16's fused head keeps no
+        logits: its float32 log-probs are used as they are (the same kind of residual), since a second projection
+        through the output layer would cost about a quarter of a 2B model's scoring pass."""
+        return self.raw is not None
+
     def plain_log_probs(self, temperature: float, ids: torch.Tensor) -> torch.Tensor:
         """[rows] each row's float32 log-prob of its token ``ids`` under the plain distribution at ``temperature``,
         with vLLM's own arithmetic (float32 logits divided by the temperature, ``log_softmax``: a log-sum-exp
@@ -93,13 +110,24 @@ class Positions:
         width = self.raw.size(1)
         parts = []
         for row in range(self.raw.size(0)):
-            for chunk in _chunks(width, 2 * self.raw.size(-1)):
+            length = width if self.lengths is None else self.lengths[row]
+            for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 logits = self.raw[row, chunk].to(torch.float32, copy=True)
                 if temperature != 1.0:
                     logits.div_(temperature)
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop, None]
                 parts.append(torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1))
+            if length < width:  # after the completion ended: NaN, TRL's own log-prob (the loss masks it away)
+                parts.append(torch.full((width - length,), math.nan, device=ids.device))
         return torch.cat(parts)
+
+    def scored(self, device: torch.device) -> torch.Tensor:
+        """[rows] True at the positions up to each completion's end (``lengths``; all of them without)."""
+        if self.lengths is None or self.raw is None:
+            return torch.ones(len(self), dtype=torch.bool, device=device)
+        width = self.raw.size(1)
+        ends = torch.tensor(self.lengths, device=device)
+        return (torch.arange(width, device=device)[None, :] < ends[:, None]).reshape(-1)
 
     @property
     def vocabulary(self) -> int:
@@ -330,7 +358,7 @@ class Scorer:
         if len(positions) == 0:  # a completion that ended before its first scored position
             return Scored.pending(torch.full((0,), math.nan, device=ids.device))
         if self.ban_alone:
-            if not self.distribution.banned and not positions.trl_rounds:  # TRL's own log-prob is the float32 one
+            if not self.distribution.banned and not positions.own_log_probs:  # TRL 1.16's fused head: its own
                 return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))
             # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
             width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
@@ -352,7 +380,7 @@ class Scorer:
         distribution = self.distribution
         temperature = distribution.temperature
         sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
-        plain = positions.plain_log_probs(temperature, ids) if positions.trl_rounds else None
+        plain = positions.plain_log_probs(temperature, ids) if positions.own_log_probs else None
         if not distribution.banned:
             return Scored.pending(sampled, plain)
         nan = torch.full_like(sampled, math.nan)
@@ -363,7 +391,7 @@ class Scorer:
         # the true normaliser is at least logaddexp(sampled, banned): a bound on the banned share, from gathers alone
         share_bound = torch.exp(banned_lse - torch.logaddexp(sampled, banned_lse))
         processed, log_kept = nan.clone(), nan.clone()
-        dominant = (share_bound > DOMINANT_SHARE).nonzero().squeeze(1)
+        dominant = ((share_bound > DOMINANT_SHARE) & positions.scored(share_bound.device)).nonzero().squeeze(1)
         for part in _chunks(dominant.numel(), positions.vocabulary):
             chosen = dominant[part]
             logits = positions.rows(chosen)

@@ -81,13 +81,13 @@ def describe() -> str:
     return f"vLLM's sort-based top-k/top-p (apply_top_k_top_p_pytorch) at every step: vLLM has no Triton, and {reason}"
 
 
-def size_dependent_top_p(top_k: int, top_p: float, device: torch.device) -> str | None:
+def size_dependent_top_p(top_k: int, top_p: float, device: torch.device, vocabulary: int) -> str | None:
     """Why the engine's top-p cut and the trainer's cannot take one rule, or None. vLLM >= 0.31 sends a CUDA call of
     top-p without top-k and at most ``_SPLIT_MAX_BATCH`` rows (an engine step of up to 64 requests) through a
     split-row pipeline whose rows are split by the call's size and the GPU's SM count, larger calls (the trainer's
     chunks) through the monolithic kernel: a row's cut depends on its step. A row with an active top-k takes the
-    monolithic kernel whatever the call's size."""
-    if device.type != "cuda" or top_p >= 1.0 or top_k > 0:
+    monolithic kernel whatever the call's size (0 < k < the vocabulary: ``InputBatch`` gives no k otherwise)."""
+    if device.type != "cuda" or top_p >= 1.0 or 0 < top_k < vocabulary:
         return None
     import importlib
 
