@@ -537,28 +537,23 @@ def test_the_scoring_pass_steps_aside_where_the_top_p_rule_depends_on_the_step(
     assert any("a size-dependent rule" in record.getMessage() for record in caplog.records)
 
 
-def test_trls_server_marks_its_engine_and_no_other_engine_is_marked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``vllm.LLM(...)`` called from TRL's ``vllm_serve.py`` (its file on the stack, whatever its module's name)
-    marks the process and the engine's future workers for routing; the same call from anywhere else does not."""
-    import os
-
-    import trl.scripts.vllm_serve as vllm_serve
-    from vllm import LLM
-
-    monkeypatch.setenv(engine_sampler.ROUTE_ENV, "")  # unset again after the test, whatever the wrapper sets
-    bogus = str(tmp_path / "no-model")
-
-    def build_from(filename: str) -> None:
-        code = compile("try:\n    LLM(model=BOGUS)\nexcept Exception:\n    pass\n", filename, "exec")
-        exec(code, {"LLM": LLM, "BOGUS": bogus})  # a call site in the named file
-
-    build_from(str(tmp_path / "user_script.py"))
-    assert os.environ[engine_sampler.ROUTE_ENV] != "1"
-    build_from(vllm_serve.__file__)
-    assert os.environ.get(engine_sampler.ROUTE_ENV) == "1"
-    assert engine_sampler.routes_here()
+@pytest.mark.parametrize(
+    ("argv", "server"),
+    [
+        (["/usr/bin/python3", "/venv/bin/trl", "vllm-serve", "--model", "m"], True),
+        (["python", "-m", "trl.scripts.vllm_serve", "--model", "m"], True),
+        (["python", "/venv/lib/python3.11/site-packages/trl/scripts/vllm_serve.py"], True),
+        (["python", "/venv/bin/trl", "grpo", "--config", "grpo.yaml"], False),
+        (["python", "train.py", "vllm-serve"], False),
+        (["python", "-m", "vllm.entrypoints.cli.main", "serve"], False),
+    ],
+)
+def test_trls_server_process_is_known_by_its_command_line(argv: list[str], server: bool) -> None:
+    """The engine of TRL's server is routed (its only clients are TRL's trainers): the process is known by the command
+    line the interpreter was started with; a trainer, a user's script, vLLM's own server are not TRL's server. (The
+    whole path, a real `trl vllm-serve` under the launcher whose engine workers inherit the mark:
+    tests/test_launcher.py::test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started.)"""
+    assert engine_sampler.started_as_trl_server(argv) is server
 
 
 def test_a_v2_runner_engine_is_named_where_the_trainer_applies_v1s_functions(

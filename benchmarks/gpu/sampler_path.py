@@ -45,11 +45,17 @@ def _functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
     import vllm.v1.sample.ops.topk_topp_sampler as sampler_module
     import wrapt
 
-    from trl_vlm_fixes.patches.sampling_parity.engine_sampler import send_every_step_through_triton
+    from trl_vlm_fixes.patches.sampling_parity.engine_sampler import routed, send_every_step_through_triton
 
     current = sampler_module.apply_top_k_top_p
     original = getattr(current, "__wrapped__", current)
-    return original, wrapt.FunctionWrapper(original, send_every_step_through_triton)
+    wrapped = wrapt.FunctionWrapper(original, send_every_step_through_triton)
+
+    def in_a_trainers_rollout(*args: Any) -> Any:  # the wrapper routes the engines whose trainer computes a ratio
+        with routed():
+            return wrapped(*args)
+
+    return original, in_a_trainers_rollout
 
 
 def _inputs(batch: int, vocab: int, top_k: int | None, top_p: float | None, device: torch.device) -> tuple[Any, ...]:

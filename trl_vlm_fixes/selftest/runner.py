@@ -232,24 +232,38 @@ def one_thread() -> Iterator[None]:
 
 
 @contextmanager
-def held_back_output() -> Iterator[None]:
+def held_back_output() -> Iterator[Callable[[str], None]]:
     """What the libraries write to stdout or stderr meanwhile (at the file-descriptor level: tqdm bars, C++ warnings,
-    print calls) goes to a temporary file, shown on stderr only if the block raises."""
+    print calls) goes to a temporary file, shown on stderr if the block raises, or when the block asks for it (the
+    function it gets, with the reason: a check that could not measure must not hide why)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
+    streams = (sys.stdout, sys.stderr)
+    shown: list[str] = []
     with tempfile.TemporaryFile(mode="w+b") as held:
+        # Python's own streams too: one a test harness or a notebook put there may not write to fds 1 and 2
+        into_held = os.fdopen(os.dup(held.fileno()), "w", buffering=1, errors="replace")
         try:
             for fd in saved:
                 os.dup2(held.fileno(), fd)
-            yield
+            sys.stdout = sys.stderr = into_held
+            yield shown.append
         except BaseException:
+            sys.stdout, sys.stderr = streams
             _restore(saved)
+            into_held.flush()
             held.seek(0)
             sys.stderr.write(held.read().decode(errors="replace"))
             raise
         finally:
+            sys.stdout, sys.stderr = streams
             _restore(saved)
+            into_held.close()
+        if shown:
+            held.seek(0)
+            sys.stderr.write(f"trl_vlm_fixes selftest: {shown[0]}; what the libraries wrote meanwhile:\n")
+            sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def _restore(saved: dict[int, int]) -> None:
@@ -290,9 +304,18 @@ def _quiet_collect(only: list[str] | None) -> dict[str, Any]:
     # the engine and trainer lines of the self-test's own tiny runs are not news
     logging.getLogger("trl_vlm_fixes").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), one_thread(), held_back_output():
+        with warnings.catch_warnings(), one_thread(), held_back_output() as show:
             warnings.simplefilter("ignore")
-            return collect(only)
+            report = collect(only)
+            # a measurement that raised becomes "n/a" with the exception's name in its detail: never hide its output
+            crashed = [
+                name
+                for name, check in report["fixes"].items()
+                if check["fix_works"] is None and ("Error" in check["detail"] or "Exception" in check["detail"])
+            ]
+            if crashed:
+                show(f"a check's measurement raised ({', '.join(crashed)})")
+            return report
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)

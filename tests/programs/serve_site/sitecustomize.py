@@ -48,6 +48,7 @@ def _report_when_ready(wrapped, instance, args, kwargs):
             "kwargs": {key: v if isinstance(v, plain) else repr(v) for key, v in (_reached or [{}])[-1].items()},
             "engines": len(_reached),
             "states": {name: patches[name]["state"] for name in ("cudagraph", "gdn_prefill") if name in patches},
+            "routed": os.environ.get("TRL_VLM_FIXES_ROUTE_ENGINE_SAMPLER"),
             "main": getattr(sys.modules["__main__"].__spec__, "name", None),
         }
         path = os.path.join(os.environ["SERVE_RECORD_DIR"], f"engine-{os.environ.get('VLLM_DP_RANK', '0')}.json")

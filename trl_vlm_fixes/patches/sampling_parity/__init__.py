@@ -58,7 +58,7 @@ from ...logs import fix_logger
 from ...plan_rules import vllm_logprobs_compared
 from ...source_shape import function_tree, string_constants
 from .distribution import SamplingDistribution, effective_settings, read_distribution
-from .engine_sampler import ENGINE_SAMPLER_TARGETS, mark_server_engine, routed
+from .engine_sampler import ENGINE_SAMPLER_TARGETS, routed
 
 LOGGER = fix_logger(__name__)
 SAMPLING_KEPT_MASS = Counter("trl_vlm_fixes/sampling_kept_mass", kind="mean")
@@ -109,18 +109,6 @@ def record_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, 
         rollout.distributions.append(f"its sampling settings could not be read ({error!r})")
     with routed():  # this engine's steps take one knowable top-k/top-p rule (engine_sampler)
         return wrapped(*args, **kwargs)
-
-
-def server_engine_wrapper(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """``vllm.LLM.__init__``: TRL's ``vllm-serve`` builds the engine its trainers' ratios compare with; its steps (in
-    this process or the engine's worker processes, which inherit the mark) take one knowable rule."""
-    from ...engine_args import server_is_calling
-
-    if server_is_calling():
-        mark_server_engine()
-    return wrapped(*args, **kwargs)
 
 
 def _asked_for(generation: Any) -> SamplingDistribution | str:
@@ -602,7 +590,6 @@ FIX = Fix(
         *on_trainers({_ROLLOUT: rollout_wrapper, _SCORING: scoring_wrapper}, **_CHECKS),
         Target(_GENERATION_MODULE, "VLLMGeneration.generate", record_wrapper, required_parameters=("prompts",)),
         *ENGINE_SAMPLER_TARGETS,
-        Target("vllm.entrypoints.llm", "LLM.__init__", server_engine_wrapper, optional=True),
     ),
     counters=(SAMPLING_KEPT_MASS,),
     selftest=selftest,

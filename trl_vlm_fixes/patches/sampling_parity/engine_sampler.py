@@ -16,7 +16,7 @@ the kernel itself: the target is then not needed. Torch-free: the wrapper touche
 Only the engines whose trainer computes TRL's ratio or off-policy mask are routed: the colocated engine while a
 GRPO rollout the fix serves generates (``routed``: sampling runs in the caller's thread there, vLLM's in-process
 executor), and TRL's server engine (``trl vllm-serve``: its only clients are TRL's trainers; marked when TRL's server
-builds it, ``ROUTE_ENV``, which the engine's worker processes inherit). Every other engine in the process samples as
+is started, ``ROUTE_ENV``, which the engine's worker processes inherit). Every other engine in the process samples as
 vLLM built it.
 
 vLLM's V2 model runner (0.25.1's default for models neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL) binds
@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -70,9 +71,25 @@ def routes_here() -> bool:
     return (_routed.get() or os.environ.get(ROUTE_ENV) == "1") and active().is_enabled("sampling_parity")
 
 
-def mark_server_engine() -> None:
-    """TRL's server is building its engine: this process and its engine's workers route every step."""
-    os.environ[ROUTE_ENV] = "1"
+def started_as_trl_server(argv: list[str]) -> bool:
+    """Was this process started as TRL's server (``trl vllm-serve``, ``python -m trl.scripts.vllm_serve``, or its
+    file), read from the interpreter's own command line (``sys.orig_argv``: ``-m`` is still there)?"""
+    for index, word in enumerate(argv):
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if word == "-m" and following == "trl.scripts.vllm_serve":
+            return True
+        if os.path.basename(word) == "trl" and following == "vllm-serve":
+            return True
+        if word.replace(os.sep, "/").endswith("trl/scripts/vllm_serve.py"):
+            return True
+    return False
+
+
+def mark_if_trl_server() -> None:
+    """In TRL's server process, at the plugin's import (before any engine worker is started): the process and the
+    engine's workers, which inherit the mark, route every step (its only clients are TRL's trainers)."""
+    if started_as_trl_server(list(getattr(sys, "orig_argv", sys.argv))):
+        os.environ[ROUTE_ENV] = "1"
 
 
 def _why_not_routed(scope: dict[str, Any]) -> str | None:
@@ -170,3 +187,5 @@ ENGINE_SAMPLER_TARGETS = (
         for module in V2_MODULES
     ),
 )
+
+mark_if_trl_server()
