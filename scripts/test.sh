@@ -21,7 +21,8 @@
 # and version comparison at its import, its metric counters (on torch tensors: torch is 2.14.1 on every stack),
 # ARCHITECTURE.md's worked example against the plugin's source, the self-test's `--only` validation and its message
 # with TRL hidden. A test moved to one stack, one variant or the unit level says in a comment where the coverage it
-# had now lives.
+# had now lives: so do the long multi-process protection, resume and watchdog runs kept on the validated stack for CI's
+# time (tests/test_resume.py, tests/test_watchdog.py), each naming the test that runs TRL's path on the newest stack.
 #
 # --dist worksteal: a worker that runs out of tests takes queued ones from the others, so one worker is not left with
 # a queue of slow end-to-end tests while the rest idle at the end.

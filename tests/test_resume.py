@@ -90,6 +90,9 @@ def built_mode(base: Path, attempt: int) -> str:
 TRITON = "triton" if gdn_prefill_acts() else None
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_dir: Path, tmp_path: Path) -> None:
     result, out, records = run_ranks(tiny_model_dir, tmp_path, OFF)
@@ -134,6 +137,9 @@ def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(
     assert state(out)["level"] == "ENGINE_HANG" and [h["rank"] for h in state(out)["hangs"]] == [1]
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_engine_hangs_at_changing_steps_reach_none_and_a_push_hang_keeps_it(
     tiny_model_dir: Path, tmp_path: Path
@@ -170,6 +176,9 @@ def test_engine_hangs_at_changing_steps_reach_none_and_a_push_hang_keeps_it(
     assert f"cudagraph=applied (cudagraph_mode=NONE (protected: {why}))" in restart.stderr
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_the_protection_survives_a_crash_after_the_protected_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Hang (75) -> the restart resumes with a PIECEWISE engine and dies in its first rollout (a crash, a
@@ -185,6 +194,9 @@ def test_the_protection_survives_a_crash_after_the_protected_restart(tiny_model_
     assert (tmp_path / "out" / "trl_vlm_fixes_hang_rank0.resumed.txt").exists()
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_an_unreadable_state_warns_and_protects_in_a_real_start(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A state cut short (a full disk, a copy interrupted): the start warns, naming the file and the protected level,
@@ -198,6 +210,9 @@ def test_an_unreadable_state_warns_and_protects_in_a_real_start(tiny_model_dir: 
     assert engine_arguments(tmp_path, 0) == ({"cudagraph_mode": "PIECEWISE"}, TRITON)
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_node_local_output_dirs_keep_their_own_state_and_a_tensor_parallel_pair_that_differs_stops_at_build(
     tiny_model_dir: Path, tmp_path: Path
@@ -216,6 +231,9 @@ def test_node_local_output_dirs_keep_their_own_state_and_a_tensor_parallel_pair_
         assert len(attempts(records, rank)) == 1  # the restart recorded no engine: it stopped before the build
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 @pytest.mark.parametrize("ending", ["hang, cudagraph off", "crash"])
 def test_no_escalation_upstream_nor_after_a_run_that_did_not_hang(
@@ -236,6 +254,9 @@ def test_no_escalation_upstream_nor_after_a_run_that_did_not_hang(
     assert engine_arguments(tmp_path, 1)[0] is None and built_mode(tmp_path, 1) == "FULL_AND_PIECEWISE"
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_slow_checkpoint_save_under_tensor_parallelism_never_ends_the_run(
     tiny_model_dir: Path, tmp_path: Path
@@ -258,6 +279,9 @@ def test_a_slow_checkpoint_save_under_tensor_parallelism_never_ends_the_run(
         assert missing(out / f"checkpoint-{step}", world_size=2, deepspeed=False) == []
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_slow_first_weight_push_passes_in_every_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The first weight push of each process takes 12 s, above the 10 s floor: a first call may take 10 x the floor,
@@ -274,6 +298,9 @@ def test_a_slow_first_weight_push_passes_in_every_run(tiny_model_dir: Path, tmp_
     assert learned["sync_weights"] >= 12
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_checkpoint_that_cannot_resume_is_not_resumed_into(tiny_model_dir: Path, tmp_path: Path) -> None:
     """save_only_model=True: the checkpoints hold no optimizer, scheduler or RNG state, which transformers would skip
@@ -428,6 +455,9 @@ def run_cli_with_restarts(model_dir: Path, base: Path, env: dict[str, str]) -> t
     return result, list(by_pid.values())
 
 
+# validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
+# stack TRL's restart-and-resume runs in test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_trl_cli_restarted_by_a_shell_loop_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
     """TRL's own `trl grpo` never passes resume_from_checkpoint: upstream the restart trains from step 0 on the base

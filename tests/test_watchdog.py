@@ -62,6 +62,11 @@ def test_a_generate_that_never_returns_ends_the_process_with_75(tiny_model_dir: 
     print(f"a real generate: exit 75 {hang_to_exit:.1f} s after the hang started (limit {limit} s)")
 
 
+# validated stack only (CI time): what it shows is the plugin's own or the test program's; on the newest stack the
+# watchdog's rules on TRL's calls run in test_a_generate_that_never_returns_ends_the_process_with_75,
+# test_a_rollout_that_stops_making_progress_ends_with_75, test_a_hang_on_one_rank_ends_both_under_a_launcher and
+# test_a_call_without_progress_that_never_returns_ends_with_75
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_without_the_watchdog_the_hang_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Off, the same wedged generate is still hung 10 s + the kernel backstop's delay after it started (the watchdog
@@ -89,6 +94,11 @@ def test_without_the_watchdog_the_hang_goes_on(tiny_model_dir: Path, tmp_path: P
     assert not (tmp_path / "trl_vlm_fixes_protection.json").exists()
 
 
+# validated stack only (CI time): what it shows is the plugin's own or the test program's; on the newest stack the
+# watchdog's rules on TRL's calls run in test_a_generate_that_never_returns_ends_the_process_with_75,
+# test_a_rollout_that_stops_making_progress_ends_with_75, test_a_hang_on_one_rank_ends_both_under_a_launcher and
+# test_a_call_without_progress_that_never_returns_ends_with_75
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_normal_run_never_fires(tiny_model_dir: Path, tmp_path: Path) -> None:
     result, _ = run_hang_program(tiny_model_dir, tmp_path, {"TRL_VLM_FIXES_WATCHDOG": "20", "HANG_RANK": "-1"}, 300)
@@ -255,6 +265,11 @@ def run_phase_program(tiny_model_dir: Path, tmp_path: Path, env: dict[str, str],
     return result, time.monotonic() - started
 
 
+# validated stack only (CI time): what it shows is the plugin's own or the test program's; on the newest stack the
+# watchdog's rules on TRL's calls run in test_a_generate_that_never_returns_ends_the_process_with_75,
+# test_a_rollout_that_stops_making_progress_ends_with_75, test_a_hang_on_one_rank_ends_both_under_a_launcher and
+# test_a_call_without_progress_that_never_returns_ends_with_75
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_a_rollout_that_keeps_making_progress_is_never_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
     """40 engine steps of 1 s: one generate of more than 3x the 10 s limit, each step well within it."""
@@ -303,6 +318,11 @@ def test_a_call_without_progress_that_never_returns_ends_with_75(
     print(f"{phase}: exit 75 {hang_to_exit:.1f} s after the hang started (limit {limit} s)")
 
 
+# validated stack only (CI time): what it shows is the plugin's own or the test program's; on the newest stack the
+# watchdog's rules on TRL's calls run in test_a_generate_that_never_returns_ends_the_process_with_75,
+# test_a_rollout_that_stops_making_progress_ends_with_75, test_a_hang_on_one_rank_ends_both_under_a_launcher and
+# test_a_call_without_progress_that_never_returns_ends_with_75
+@pytest.mark.stack_independent
 @pytest.mark.slow
 def test_watchdog_off_means_no_thread_even_after_a_generate(tiny_model_dir: Path) -> None:
     """Off: a real generate runs and no thread appears; switched on (apply() again), the same generate starts it."""
