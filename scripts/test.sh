@@ -98,6 +98,18 @@ run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; 
   # selects nothing is a broken run, never a green one
   (cd "$stage" && "$1/bin/python" -m pytest -n 3 --dist worksteal -p no:cacheprovider --durations=25 -m "$2" "${@:3}")
 }
+# the newest stack's environment is built while the validated stack's tests run (pip waits on the disk and the
+# registry, the tests mostly on subprocesses): its log is printed when it is needed
+newest_setup=""
+if [ "$latest" != "none" ]; then
+  # the hard-linked copy first, in the foreground: the validated stack's wheel install below must not change .venv
+  # while it is being copied (pip then unlinks before it writes, so neither environment changes the other)
+  [ -x .venv-newest/bin/python ] || cp -al .venv .venv-newest 2>/dev/null || rm -rf .venv-newest
+  newest_log=$(mktemp)
+  (VENV=.venv-newest TRL="$latest" TRANSFORMERS="$newest_transformers" VLLM="$newest_vllm" BASE=.venv \
+    bash scripts/setup_env.sh >"$newest_log" 2>&1) &
+  newest_setup=$!
+fi
 stage "install (validated stack)"
 run_suite "$root/.venv" "" "$@"
 if [ "$latest" != "none" ]; then
@@ -107,8 +119,11 @@ if [ "$latest" != "none" ]; then
     run_suite "$root/.venv-trl-latest" "not stack_independent" "$@"
   fi
   stage "environment (TRL $latest, transformers $newest_transformers, vLLM $newest_vllm)"
-  VENV=.venv-newest TRL="$latest" TRANSFORMERS="$newest_transformers" VLLM="$newest_vllm" BASE=.venv \
-    bash scripts/setup_env.sh
+  newest_status=0
+  wait "$newest_setup" || newest_status=$?
+  cat "$newest_log" >&2
+  rm -f "$newest_log"
+  [ "$newest_status" = 0 ] || { echo "scripts/test.sh: the newest stack's environment failed ($newest_status)" >&2; exit 1; }
   run_suite "$root/.venv-newest" "not stack_independent" "$@"
 fi
 stage done

@@ -110,7 +110,8 @@ def test_torchrun_restart_after_a_hang_starts_from_step_0_upstream(tiny_model_di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", ["1", "2"])
+# tp 2 on the validated stack only (CI time): the pair's agreement is the plugin's own; TRL's path runs at tp 1 on both
+@pytest.mark.parametrize("tp", ["1", pytest.param("2", marks=pytest.mark.stack_independent)])
 def test_torchrun_restart_after_a_hang_resumes_on_the_resumed_weights(
     tiny_model_dir: Path, tmp_path: Path, tp: str
 ) -> None:
