@@ -73,10 +73,11 @@ def test_each_family_and_mode_gets_the_verdicts_of_its_layers(
         "deepstack_levels": 2 if family in DEEPSTACK else 0,
     }
     # this machine has no GPU: vLLM's MoE backend is not one that rearranges the experts
-    assert acting(report) == expected_to_act(family, mode, sleep_mode, False) - decided_by_the_stack()
+    decided = decided_by_the_stack()
+    assert acting(report) == expected_to_act(family, mode, sleep_mode, False) - decided
     for name, fix in report["fixes"].items():
         assert fix["verdict"] in (WILL_ACT, STEPS_ASIDE) and fix["reason"], name
-        if mode == "none" and name not in NO_VLLM:
+        if mode == "none" and name not in NO_VLLM and name not in decided:  # the stack's own state says why first
             assert fix["reason"].startswith("use_vllm is off: "), fix
     assert any("server's process" in note for note in report["notes"]) == (mode == "server")
 
@@ -137,7 +138,9 @@ def test_the_reasons_are_those_the_fixes_give_a_built_trainer(make_trainer: Any,
         for name, patch in trl_vlm_fixes.status()["patches"].items()
         if patch["state"] == "stepped-aside"
     }
-    assert len(stepped) >= 6
+    # fixes the plan sends aside for the mode (not those this stack already turned off or no longer needs)
+    expected = {n for n, fix in planned.items() if fix["reason"].startswith("use_vllm is off: ")}
+    assert stepped and set(stepped) <= expected, (stepped, expected)
     assert {name: planned[name]["reason"] for name in stepped} == stepped
     assert all(planned[name]["verdict"] == STEPS_ASIDE for name in stepped)
 
