@@ -22,10 +22,11 @@ the mass (where that subtraction would lose float32's digits) gets its logits to
 Every log-prob this module gives is float32 arithmetic on the model's logits, as vLLM's are (it upcasts a bf16 model's
 logits to float32 before its temperature and log-softmax). TRL 1.9.1 divides a bf16 model's bf16 logits by the
 temperature in place and log-softmaxes them in bf16, so its log-prob carries bf16 rounding (spacing 0.03 around -5):
-where TRL's logits are not float32 (``Positions.trl_rounds``), the plain distribution's log-prob is the fix's own,
-vLLM's float32 ``log_softmax`` of the logits at the sampling temperature (``Positions.plain_log_probs``), also where
-nothing is banned or cut. TRL 1.16's fused head computes its log-probs in float32 from the same bf16 logits: they are
-used as they are, and the plain distribution then costs nothing.
+wherever TRL's logits are read (``Positions.own_log_probs``: TRL 1.9.1, bf16 or float32, whose float32 branch
+subtracts a log-sum-exp), the plain distribution's log-prob is the fix's own, vLLM's float32 ``log_softmax`` of the
+logits at the sampling temperature (``Positions.plain_log_probs``), also where nothing is banned or cut. TRL 1.16's
+fused head computes its log-probs in float32 from the same bf16 logits: they are used as they are, and the plain
+distribution then costs nothing.
 """
 
 from __future__ import annotations
