@@ -19,10 +19,11 @@
 # scripts' dry runs: the GPU record runs only the validated stack, so its scripts are checked there). Every other
 # test that runs TRL, transformers or vLLM code runs on both. Also marked, by the same rule: the plugin's switch parsing
 # and version comparison at its import, its metric counters (on torch tensors: torch is 2.14.1 on every stack),
-# ARCHITECTURE.md's worked example against the plugin's source, the self-test's `--only` validation and its message
-# with TRL hidden. A test moved to one stack, one variant or the unit level says in a comment where the coverage it
-# had now lives: so do the long multi-process protection, resume and watchdog runs kept on the validated stack for CI's
-# time (tests/test_resume.py, tests/test_watchdog.py), each naming the test that runs TRL's path on the newest stack.
+# ARCHITECTURE.md's worked example against the plugin's source, the layering of the plugin's own imports
+# (tests/test_layering.py), the self-test's `--only` validation and its message with TRL hidden. A test moved to one
+# stack, one variant or the unit level says in a comment where the coverage it had now lives: so do the long
+# multi-process protection, resume and watchdog runs kept on the validated stack for CI's time (tests/test_resume.py,
+# tests/test_watchdog.py), each naming the test that runs TRL's path on the newest stack.
 #
 # --dist worksteal: a worker that runs out of tests takes queued ones from the others, so one worker is not left with
 # a queue of slow end-to-end tests while the rest idle at the end.

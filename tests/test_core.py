@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -508,7 +509,7 @@ def test_engine_builder_guard_is_structural(tmp_path: Any) -> None:
 
 
 def test_non_gdn_model_engine_is_built_exactly_as_upstream(make_text_generation: Any, caplog: Any) -> None:
-    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+    with caplog.at_level("INFO", logger="trl_vlm_fixes"):
         with_fixes = dict(make_text_generation().llm.init_kwargs)
     trl_vlm_fixes.revert()
     try:
@@ -521,27 +522,80 @@ def test_non_gdn_model_engine_is_built_exactly_as_upstream(make_text_generation:
     assert ("cudagraph and gdn_prefill step aside" if gdn_prefill_acts() else "cudagraph steps aside") in lines[0]
 
 
-def test_engine_settings_line_is_shown_without_any_logging_setup(tiny_model_dir: Path) -> None:
-    """One WARNING per engine on stderr through Python's last-resort handler: no logging.basicConfig needed."""
+def test_engine_settings_line_is_info_shown_once_the_plugins_logger_is_at_info(tiny_model_dir: Path) -> None:
+    """A healthy engine's line is INFO: without any logging setup Python's last-resort handler shows WARNINGs only, so
+    it is not shown; with the plugin's logger at INFO (and a handler) it is, once per engine."""
     code = f"""
-import os, sys
+import logging, os, sys
 sys.modules["vllm"] = None
 import trl_vlm_fixes
 from transformers import AutoProcessor
 from trl_vlm_fixes.selftest.rollout_schedule import build_generation
-build_generation({str(tiny_model_dir)!r}, AutoProcessor.from_pretrained({str(tiny_model_dir)!r}))
+processor = AutoProcessor.from_pretrained({str(tiny_model_dir)!r})
+build_generation({str(tiny_model_dir)!r}, processor)
+print("-- the plugin's logger at INFO --", file=sys.stderr, flush=True)
+logging.basicConfig(format="%(levelname)s %(message)s")
+logging.getLogger("trl_vlm_fixes").setLevel(logging.INFO)
+build_generation({str(tiny_model_dir)!r}, processor)
 """
     result = subprocess.run(
         [sys.executable, "-c", code], env=environment_without_switches(), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if "built the colocated vLLM engine" in line]
-    assert len(lines) == 1
+    unset, at_info = result.stderr.split("-- the plugin's logger at INFO --")
+    assert "built the colocated vLLM engine" not in unset
+    lines = [line for line in at_info.splitlines() if "built the colocated vLLM engine" in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO trl_vlm_fixes: VLLMGeneration built the colocated vLLM engine")
     assert (
         "cudagraph_mode=vLLM's own (not protected: no GRPO/RLOO trainer under the watchdog builds this engine"
         in lines[0]
     )
     assert ("gdn_prefill_backend=triton (" in lines[0]) == gdn_prefill_acts()
+
+
+def test_a_healthy_engine_build_logs_at_info_and_a_missed_argument_still_warns(
+    make_generation: Any, tiny_model_dir: Any, processor: Any, caplog: Any
+) -> None:
+    """Issue 46: every fix that acts got its arguments and vLLM built what they ask: the engine line is INFO and
+    engine_args says nothing at WARNING. An engine built where the fixes' arguments never reached its constructor (a
+    drifted TRL) gets no engine line and one WARNING per fix that should have acted."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_vlm_fixes.selftest.engine_standin import StandInLLM
+    from trl_vlm_fixes.selftest.rollout_schedule import build_generation
+
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+        make_generation()
+    records = [r for r in caplog.records if r.name == "trl_vlm_fixes.engine_args"]
+    [line] = [r for r in records if "built the colocated vLLM engine" in r.getMessage()]
+    assert line.levelno == logging.INFO and "vLLM built: " in line.getMessage()
+    assert "cudagraph_mode=vLLM's own" in line.getMessage()
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+    innermost = vars(vllm_generation.VLLMGeneration)["_init_vllm"]
+    while type(innermost.__wrapped__) is not types.FunctionType:  # below every fix's wrapper (type(): proxies lie)
+        innermost = innermost.__wrapped__
+    original = innermost.__wrapped__
+
+    def drifted_init(self: Any) -> None:  # builds the engine under another name: the arguments are missed
+        self.llm = StandInLLM(self.model.name_or_path)
+
+    caplog.clear()
+    try:
+        innermost.__wrapped__ = drifted_init
+        with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+            build_generation(tiny_model_dir, processor)
+    finally:
+        innermost.__wrapped__ = original
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()
+    records = [r for r in caplog.records if r.name == "trl_vlm_fixes.engine_args"]
+    assert not [r for r in records if "built the" in r.getMessage()]
+    missed = [r for r in records if "nothing was injected" in r.getMessage()]
+    assert {r.levelno for r in missed} == {logging.WARNING}
+    assert "trl_vlm_fixes: cudagraph: VLLMGeneration built an engine without going through LLM(...)" in [
+        r.getMessage().split(" where ")[0] for r in missed
+    ]
 
 
 def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
@@ -561,7 +615,7 @@ def test_server_engine_is_known_by_trl_file_whatever_its_module_is_called(
     received: list[dict[str, Any]] = []
     monkeypatch.setattr(layer, "__wrapped__", lambda self, *args, **kwargs: received.append(kwargs))
     worker = "def llm_worker(model):\n    from vllm import LLM\n    LLM(model=model)\n"
-    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+    with caplog.at_level("INFO", logger="trl_vlm_fixes"):
         for name in ("__main__", "__mp_main__"):
             namespace: dict[str, Any] = {"__name__": name}
             exec(compile(worker, vllm_serve.__file__, "exec"), namespace)
@@ -665,7 +719,6 @@ from typing import Any
 
 from .. import metrics
 from ..declaration import Counter, Fix, on_trainers
-from ..registry import value
 from ..switches import boolean
 
 LOUD = boolean("loud", "TRL_VLM_FIXES_EXAMPLE_FIX_LOUD", False)
@@ -677,12 +730,6 @@ def log_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     return wrapped(*args, **kwargs)
 
 
-def selftest(context: Any, family: str) -> Any:
-    from ..selftest.runner import CheckResult
-
-    return CheckResult("applied", True, bool(value("example_fix", "loud")) or True, 0.0, "example")
-
-
 FIX = Fix(
     name="example_fix",
     summary="an example",
@@ -690,20 +737,36 @@ FIX = Fix(
     targets=on_trainers({"_prepare_inputs": log_wrapper}),
     settings=(LOUD,),
     counters=(CALLS,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.example_fix:check",
 )
 '''
 
+EXAMPLE_CHECK = '''
+"""example_fix's self-test check (a test's fix): in the harness, importing what it needs of its fix."""
 
-def test_a_fix_added_as_architecture_says_touches_two_files_of_code(tmp_path: Path) -> None:
-    """A copy of the package gets a fix the way ARCHITECTURE.md says (its module and one line in ALL_FIXES): its
-    switch, setting validation, status, the API, its counter summed over ranks, the self-test, the tests' expected
+from __future__ import annotations
+
+from ...patches.example_fix import LOUD
+from ...registry import value
+from ..runner import CheckResult, SelftestContext
+
+
+def check(context: SelftestContext, family: str) -> CheckResult:
+    return CheckResult("applied", True, bool(value("example_fix", LOUD.key)) or True, 0.0, "example")
+'''
+
+
+def test_a_fix_added_as_architecture_says_touches_three_files_of_code(tmp_path: Path) -> None:
+    """A copy of the package gets a fix the way ARCHITECTURE.md says (its module, one line in ALL_FIXES, its check in
+    the self-test's ``checks/``): its switch, setting validation, status, the API, its counter summed over ranks, the
+    self-test (the check its declaration names resolves; the plugin's import loads no harness), the tests' expected
     states and CI's count all pick it up with nothing else touched."""
     import shutil
 
     package = tmp_path / "trl_vlm_fixes"
     shutil.copytree(Path(trl_vlm_fixes.__file__).parent, package)
     (package / "patches" / "example_fix.py").write_text(EXAMPLE_FIX)
+    (package / "selftest" / "checks" / "example_fix.py").write_text(EXAMPLE_CHECK)
     listing = package / "patches" / "__init__.py"
     text = listing.read_text()
     text = text.replace("from . import (\n", "from . import (\n    example_fix,\n")
@@ -720,7 +783,9 @@ def test_a_fix_added_as_architecture_says_touches_two_files_of_code(tmp_path: Pa
                "switch": trl_vlm_fixes.status()["patches"]["example_fix"]["switch"],
                "counted": [c.name for c in metrics.declared()], "fixes": len(ALL_FIXES),
                "expected": expected_states().get("example_fix"),
-               "selftest": trl_vlm_fixes.REGISTRY.fixes["example_fix"].selftest is not None}}
+               "harness": [m for m in sys.modules if m.startswith("trl_vlm_fixes.selftest")]}}
+        from trl_vlm_fixes.selftest.runner import resolve_check, selected
+        out["selftest"] = "example_fix" in selected(None) and resolve_check("example_fix").__module__
         trl_vlm_fixes.apply(example_fix=False)
         out["api"] = trl_vlm_fixes.status()["patches"]["example_fix"]["state"]
         print(json.dumps(out))
@@ -728,7 +793,8 @@ def test_a_fix_added_as_architecture_says_touches_two_files_of_code(tmp_path: Pa
     report = last_json(run_python(probe, with_vllm=True))
     assert report["state"] == "applied" and report["switch"] == "TRL_VLM_FIXES_EXAMPLE_FIX"
     assert "trl_vlm_fixes/example_calls" in report["counted"] and report["expected"] == "applied"
-    assert report["selftest"] and report["api"] == "disabled"
+    assert report["selftest"] == "trl_vlm_fixes.selftest.checks.example_fix" and report["harness"] == []
+    assert report["api"] == "disabled"
     assert report["fixes"] == len(__import__("trl_vlm_fixes.patches").patches.ALL_FIXES) + 1
     bad = run_python(probe, env={"TRL_VLM_FIXES_EXAMPLE_FIX_LOUD": "maybe"}, with_vllm=True)
     assert bad.returncode != 0 and "TRL_VLM_FIXES_EXAMPLE_FIX_LOUD='maybe'" in bad.stderr

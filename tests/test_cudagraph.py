@@ -56,7 +56,7 @@ def test_a_fresh_engine_gets_vllms_own_mode_with_the_protection_armed(
     fastest decode); the engine line says what vLLM built and that the protection is armed; status says why."""
     import trl_vlm_fixes
 
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):  # a healthy engine's line is INFO
         kwargs = engine_kwargs(make_generation, hang_reports(tmp_path, "fresh"))
     assert "compilation_config" not in kwargs and "enforce_eager" not in kwargs
     line = _engine_line(caplog)
@@ -84,7 +84,7 @@ def test_no_armed_claim_where_no_watched_trainer_owns_the_engine(
     import trl_vlm_fixes
 
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         if owner == "watchdog off":
             one_fix_off("watchdog")
             make_trainer("grpo", use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
@@ -175,6 +175,7 @@ def test_mode_is_logged_once_per_engine(
     assert "Gated-DeltaNet kernel outside CUDA graphs" in lines[0].getMessage()
     assert "(protected: engine hangs recorded in " in lines[0].getMessage()  # the state it read
     assert "trl_vlm_fixes_protection.json (at steps 3): ENGINE_HANG)" in lines[0].getMessage()
+    assert lines[0].levelno == logging.WARNING  # protected after a hang: as the trainer-start line
 
 
 def test_engine_is_built_without_rebinding_the_module_global(
@@ -345,7 +346,7 @@ def test_the_engine_line_says_what_vllm_built_and_warns_where_a_setting_changes_
     with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
     if setting.startswith("VLLM_"):
         monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         make_generation(engine_class=_EagerStandIn if setting == "enforce_eager" else None)
     line, warnings = _engine_line(caplog), _warnings(caplog)
     assert "with cudagraph_mode=PIECEWISE" in line  # what was asked
@@ -359,6 +360,8 @@ def test_the_engine_line_says_what_vllm_built_and_warns_where_a_setting_changes_
         assert warnings == []
     else:
         assert len(warnings) == 1 and "GDN decode IS captured although cudagraph_mode=PIECEWISE" in warnings[0]
+    [record] = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    assert record.levelno == (logging.WARNING if warnings else logging.INFO)  # INFO where vLLM built what was asked
 
 
 def test_the_plugin_reads_whether_vllms_gated_deltanet_op_breaks_its_graphs() -> None:
@@ -503,7 +506,7 @@ def test_a_model_without_gated_deltanet_layers_is_untouched_after_a_hang(
     make_text_generation: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     repeated = hang_reports(tmp_path, "repeated")
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"), protection.building_in(repeated):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"), protection.building_in(repeated):
         kwargs = dict(make_text_generation().llm.init_kwargs)
     assert "compilation_config" not in kwargs and "gdn_prefill_backend" not in kwargs
     [line] = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
@@ -575,7 +578,7 @@ def test_the_server_engine_keeps_vllms_mode_unless_pinned(
         namespace["llm_worker"](str(tiny_model_dir))
         return received[-1]
 
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         assert "compilation_config" not in served()
     [line] = [r.getMessage() for r in caplog.records if "trl vllm-serve built the vLLM engine" in r.getMessage()]
     assert "cudagraph_mode=vLLM's own (not protected: trl vllm-serve reads no trainer's output_dir" in line

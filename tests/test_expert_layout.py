@@ -75,7 +75,7 @@ def test_a_rearranging_default_is_replaced_by_triton_and_said(
     assert oracle_choice(upstream, _text(model_dir)) == default  # the backend that rearranges what a push writes
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         fixed = _engine_arguments(model_dir, with_setting, on=True)
     assert fixed["moe_backend"] == "triton"
     assert oracle_choice(fixed, _text(model_dir)) == "TRITON"
@@ -90,7 +90,7 @@ def test_hopper_and_a_dense_model_are_left_as_upstream(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     simulated_gpu((9, 0), True)  # Hopper: vLLM puts Triton before FlashInfer
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         moe = _engine_arguments(family_model_dir("qwen3_5_moe"))
         simulated_gpu((10, 0), True)
         dense = _engine_arguments(family_model_dir("qwen3_5"))

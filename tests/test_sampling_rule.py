@@ -559,22 +559,3 @@ def test_trls_server_process_is_known_by_its_command_line(argv: list[str], serve
     whole path, a real `trl vllm-serve` under the launcher whose engine workers inherit the mark:
     tests/test_launcher.py::test_trl_vllm_serve_engine_gets_the_engine_arguments_however_it_is_started.)"""
     assert engine_sampler.started_as_trl_server(argv) is server
-
-
-def test_a_v2_runner_engine_is_named_where_the_trainer_applies_v1s_functions(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The colocated engine's runner is read; on V2 one WARNING says what the trainer does not reproduce."""
-    from types import SimpleNamespace
-
-    from trl_vlm_fixes.patches import sampling_parity
-
-    def generation(v2: bool) -> Any:
-        config = SimpleNamespace(use_v2_model_runner=v2)
-        return SimpleNamespace(mode="colocate", llm=SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)))
-
-    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
-        sampling_parity._warn_if_v2_runner(generation(False))
-        assert not caplog.records
-        sampling_parity._warn_if_v2_runner(generation(True))
-    assert len(caplog.records) == 1 and "V2 model runner" in caplog.records[0].getMessage()

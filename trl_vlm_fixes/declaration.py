@@ -52,6 +52,14 @@ def _applies_everywhere(plan: Plan) -> str | None:
     return None
 
 
+def _is_check_reference(reference: object) -> bool:
+    """``"package.module:function"``: dotted identifiers, one colon (the shape only: resolved by the self-test)."""
+    if not isinstance(reference, str) or reference.count(":") != 1:
+        return False
+    module, function = reference.split(":")
+    return all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
+
+
 @dataclass(frozen=True)
 class Target:
     """One callable to wrap: ``Class.method`` (or a module-level ``function``) inside ``module``."""
@@ -92,9 +100,10 @@ class Fix:
     # values beyond on/off (validated at apply(), read with registry.value)
     settings: tuple[Setting, ...] = ()
     counters: tuple[Counter, ...] = ()
-    # the self-test check: (context, model family) -> selftest.runner.CheckResult (the harness is imported inside it,
-    # never at import)
-    selftest: Callable[[Any, str], Any] | None = None
+    # the self-test check, named, never imported: "module:function" (``"trl_vlm_fixes.selftest.checks.<name>:check"``),
+    # a (context, model family) -> selftest.runner.CheckResult that the self-test resolves when it runs (a fix never
+    # imports the harness; its check, in the harness, imports what it needs of the fix)
+    selftest: str | None = None
     # why the fix steps aside for this trainer (its model, mode, settings), or None: the trainer-start line and
     # status say "stepped-aside" with the reason instead of "applied"
     scope: Callable[[Any], str | None] = _everywhere
@@ -106,6 +115,13 @@ class Fix:
     protected: tuple[tuple[int, str, Any], ...] = ()
     # a switch that is not on/off (the watchdog's seconds): the fix is on when its value is truthy
     switch_setting: Setting | None = None
+
+    def __post_init__(self) -> None:
+        if self.selftest is not None and not _is_check_reference(self.selftest):
+            raise TypeError(
+                f"fix {self.name}: selftest={self.selftest!r}: name the check as 'module:function' "
+                f"(e.g. 'trl_vlm_fixes.selftest.checks.{self.name}:check'), never the function itself"
+            )
 
     @property
     def switch(self) -> str:

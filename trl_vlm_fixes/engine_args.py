@@ -23,6 +23,7 @@ import ast
 import contextlib
 import functools
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -187,7 +188,8 @@ def _construct(
     builder: _Builder, trainer: Any, target_key: str, engine: Callable[..., Any], /, *args: Any, **kwargs: Any
 ) -> Any:
     """Apply every pending contribution to ``kwargs``, build the engine, then say in one line what vLLM built (read
-    back from the engine's own config, with a warning where a setting changes what a mode means)."""
+    back from the engine's own config, with a warning where a setting changes what a mode means): at INFO where the
+    build is healthy, at WARNING where it is not."""
     pending = _pending.get()
     assert pending is not None  # only called inside a wrapper, which set it
     model_config = served_model_config(trainer, kwargs)
@@ -206,9 +208,14 @@ def _construct(
         chosen = ", ".join(f"{name}={value}" for name, value in sorted(build.settings.items()))
         protection.agree_in_group(trainer, chosen or "no protected setting")
     built = engine(*args, **kwargs)
+    # healthy (INFO): every fix that acts got its arguments and vLLM built what they ask, or no fix has work here.
+    # WARNING where something is wrong: an earlier run here hung (the engine is protected, as the trainer-start line
+    # says), the served model's config is unreadable (no fix could decide), or a reading below warns or fails
+    healthy = not build.protected_by and not (build.model_config is None and build.stepped_aside)
     readings, by_fix = [], {}
     for contribution in acting:
-        reading = _read_back(contribution, built)
+        reading, read = _read_back(contribution, built)
+        healthy = healthy and read
         if reading is not None:
             setting, warnings = reading
             readings.append(setting)
@@ -223,21 +230,24 @@ def _construct(
             )
             for warning in warnings:
                 LOGGER.warning("%s", warning)
+            healthy = healthy and not warnings
     with contextlib.suppress(TypeError):  # an engine that cannot be weakly referenced: no trainer-start reading
         _readings[built] = by_fix
     global last_engine_settings
     last_engine_settings = describe(build) + (f" vLLM built: {', '.join(readings)}." if readings else "")
     # rank 0 says it (every rank builds one); a server worker or a process without an accelerator always does
     if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
-        LOGGER.warning("%s built the %s %s", builder.caller, builder.engine, last_engine_settings)
+        level = logging.INFO if healthy else logging.WARNING
+        LOGGER.log(level, "%s built the %s %s", builder.caller, builder.engine, last_engine_settings)
     return built
 
 
-def _read_back(contribution: _Contribution, engine: Any) -> tuple[str, list[str]] | None:
+def _read_back(contribution: _Contribution, engine: Any) -> tuple[tuple[str, list[str]] | None, bool]:
+    """What the fix reads back from the built engine, and whether the reading could be taken."""
     try:
-        return contribution.read_back(engine)
+        return contribution.read_back(engine), True
     except Exception as error:  # noqa: BLE001 - a report must never break an engine that was built
-        return f"(could not be read: {error!r})", []
+        return (f"(could not be read: {error!r})", []), False
 
 
 def _intercept(

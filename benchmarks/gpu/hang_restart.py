@@ -45,10 +45,15 @@ def wedge(stand_in: bool) -> None:
 def child(model_dir: str, output_dir: str, steps: int, wedge_step: int, stand_in: bool) -> None:
     """One run: the trainer (its engine built as the plugin decides from output_dir), then train(); records each
     rollout's step; the engine step of the first rollout at ``wedge_step`` wedges, in the first run only."""
+    import logging
+
     from transformers.trainer_utils import SaveStrategy
 
     import trl_vlm_fixes  # noqa: F401 - the plugin under test
 
+    # the engine line of a healthy build is INFO: the plugin's logger at INFO, each line as its message alone
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("trl_vlm_fixes").setLevel(logging.INFO)
     use_engine(stand_in)
     records = Path(output_dir) / "hang_restart_records.jsonl"
 

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from pathlib import Path
 from typing import Any
 
 from .. import protection
@@ -223,55 +222,10 @@ def engine_cudagraph_mode(config: Any) -> str:
     return resolved.cudagraph_mode.name if resolved.cudagraph_mode is not None else "vLLM default (graphs on)"
 
 
-def selftest(context: Any, family: str) -> Any:
-    """The CUDA-graph mode the engine TRL builds for a Gated-DeltaNet model gets, as vLLM's CompilationConfig reads
-    it, in a fresh ``output_dir``, where the protection state records one engine hang, and where it records two:
-    upstream, vLLM's default graphs (GDN decode captured) every time; with the fix, vLLM's mode (or the pinned one)
-    first, then ``PIECEWISE``, then ``NONE``."""
-    from ..selftest.rollout_schedule import build_generation
-    from ..selftest.runner import off_then_on
-
-    def measure() -> dict[str, str]:
-        modes = {}
-        for level, output_dir in _protection_states(context, family).items():
-            with protection.building_in(output_dir):
-                generation = build_generation(context.model_dir(family), context.processor(family))
-            modes[level.name] = engine_cudagraph_mode(generation.llm.init_kwargs.get("compilation_config"))
-        return modes
-
-    def bug(modes: dict[str, str]) -> tuple[bool | None, str]:
-        captured = modes[Level.ENGINE_HANG.name] not in ("NONE", "PIECEWISE")
-        return captured, f"fix off: the engine TRL builds for a Gated-DeltaNet model gets {_modes_text(modes)}"
-
-    def fix(modes: dict[str, str]) -> tuple[bool | None, str]:
-        expected = {level.name: expected_mode(level) for level in Level}
-        return modes == expected, f"fix on: vLLM's CompilationConfig gets {_modes_text(modes)}"
-
-    return off_then_on("cudagraph", measure, bug, fix)
-
-
 def expected_mode(level: Level) -> str:
     """The mode an engine gets at ``level`` with the mode selected now, as vLLM's CompilationConfig names it."""
     mode = protection.protected_setting(FIX.protected, MODE.key, selected_mode(), level)
     return engine_cudagraph_mode(None) if mode == AUTO else mode
-
-
-def _modes_text(modes: dict[str, str]) -> str:
-    return ", ".join(f"{name}: cudagraph_mode={mode}" for name, mode in modes.items())
-
-
-def _protection_states(context: Any, family: str) -> dict[Level, Path]:
-    """An ``output_dir`` per level, holding the protection state the watchdog leaves there: none, one engine hang at
-    step 3, two (steps 3 and 5)."""
-    folders = {}
-    for level in Level:
-        folder = Path(context.workdir) / f"cudagraph_{family}_{level.name.lower()}"
-        hangs = [{"step": step, "kind": "engine-step", "rank": 0, "engine": True} for step in (3, 5)[:level]]
-        if level:
-            protection.write_state(folder, level, hangs)
-        folder.mkdir(parents=True, exist_ok=True)
-        folders[level] = folder
-    return folders
 
 
 FIX = Fix(
@@ -283,7 +237,7 @@ FIX = Fix(
         "cudagraph", contribute, serves_gated_deltanet, arguments_problem, read_back=read_back
     ),
     settings=(MODE,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.cudagraph:check",
     scope=scope,
     applies=gated_deltanet_engine,
     protected=((Level.ENGINE_HANG, "mode", HANG_MODE), (Level.REPEATED_HANG, "mode", PROTECTED_MODE)),

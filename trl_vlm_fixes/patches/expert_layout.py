@@ -149,33 +149,6 @@ def applies(plan: Plan) -> str | None:
     return kept_layout({}, plan.config)
 
 
-def selftest(context: Any, family: str) -> Any:
-    """The MoE backend the engine TRL builds gets on this machine, where vLLM's default would rearrange the experts."""
-    from ..selftest.rollout_schedule import build_generation
-    from ..selftest.runner import off_then_on
-
-    def measure() -> tuple[Any, Any]:
-        generation = build_generation(context.model_dir(family), context.processor(family))
-        return generation.model.config, generation.llm.init_kwargs.get("moe_backend")
-
-    def bug(measured: tuple[Any, Any]) -> tuple[bool | None, str]:
-        config, backend = measured
-        if not has_routed_experts(config):
-            return None, f"fix off: no routed experts ({family})"
-        if (kept := kept_layout({}, config)) is not None:
-            return False, f"fix off: moe_backend={backend}; {kept}"
-        return backend is None, f"fix off: moe_backend={backend} ({rearranging_moe_backend({}, config)})"
-
-    def fix(measured: tuple[Any, Any]) -> tuple[bool | None, str]:
-        config, backend = measured
-        if not has_routed_experts(config):
-            return None, "fix on: nothing to do"
-        expected = "triton" if kept_layout({}, config) is None else None
-        return backend == expected, f"fix on: moe_backend={backend}"
-
-    return off_then_on("expert_layout", measure, bug, fix)
-
-
 FIX = Fix(
     name="expert_layout",
     summary="experts pushed into the colocated vLLM engine land in the layout its MoE kernel reads (Triton where "
@@ -189,7 +162,7 @@ FIX = Fix(
         read_back=read_back,
         aside=NO_ROUTED_EXPERTS,
     ),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.expert_layout:check",
     scope=scope,
     applies=applies,
 )

@@ -97,30 +97,6 @@ def kernel_gone_reason() -> str | None:
 scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
 
 
-def selftest(context: Any, family: str) -> Any:
-    """Which Gated-DeltaNet prefill kernel the engine TRL builds is asked for, where the kernel that hangs exists."""
-    from ..selftest.rollout_schedule import build_generation
-    from ..selftest.runner import off_then_on
-
-    def measure() -> Any:
-        generation = build_generation(context.model_dir(family), context.processor(family))
-        return generation.llm.init_kwargs.get("gdn_prefill_backend")
-
-    def bug(backend: Any) -> tuple[bool, str]:
-        if gone := kernel_gone_reason():
-            return False, f"fix off: gdn_prefill_backend={backend}, no kernel to avoid (installed versions: {gone})"
-        return backend is None, (
-            f"fix off: gdn_prefill_backend={backend} (vLLM 0.25.1 then picks FlashInfer's SM90 kernel on Hopper)"
-        )
-
-    def fix(backend: Any) -> tuple[bool, str]:
-        problem = engine_argument_problem("gdn_prefill_backend", backend)
-        detail = f"fix on: gdn_prefill_backend={backend}" + (f" ({problem})" if problem else "")
-        return backend == selected_backend() and problem is None, detail
-
-    return off_then_on("gdn_prefill", measure, bug, fix)
-
-
 FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
@@ -134,7 +110,7 @@ FIX = Fix(
         read_back=read_back,
     ),
     settings=(BACKEND,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.gdn_prefill:check",
     scope=scope,
     applies=gated_deltanet_engine,
     protected=((Level.ENGINE_HANG, "backend", PROTECTED_BACKEND),),

@@ -414,46 +414,6 @@ def _warn_pads_without_images(generation: Any, prompts: list[list[int]]) -> None
         )
 
 
-def selftest(context: Any, family: str) -> Any:
-    """Two image prompts through TRL's VLLMGeneration to the engine stand-in, whose prompts go through vLLM's own
-    multimodal processor: how many rows does the engine sample from another prompt than the trainer's?"""
-    from ..selftest.fixtures import conversation, make_image
-    from ..selftest.rollout_schedule import build_generation
-    from ..selftest.runner import off_then_on
-
-    model_dir, processor = context.model_dir(family), context.processor(family)
-    images = [make_image(96, 64, 0), make_image(128, 96, 1)]
-    prompts = []
-    for image in images:
-        messages = conversation("what is this?")
-        messages[0]["content"][0]["image"] = image
-        tokenized = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
-        prompts.append(list(tokenized["input_ids"][0]))
-
-    def measure() -> tuple[int, str | None]:
-        generation = build_generation(model_dir, processor, enable_sleep_mode=False)
-        generation.generate(prompts=prompts, images=[[image] for image in images], num_generations=1)
-        engine = generation.llm
-        return sum(a != b for a, b in zip(engine.prompts_seen, prompts, strict=True)), engine.mm_processing
-
-    def unavailable(processing: str | None) -> str | None:
-        return None if processing == "vllm" else f"vLLM's multimodal processor is unavailable here ({processing})"
-
-    def bug(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
-        differing, processing = outcome
-        if reason := unavailable(processing):
-            return None, reason
-        return differing > 0, f"fix off: vLLM samples {differing}/{len(prompts)} image rows from another prompt"
-
-    def fix(outcome: tuple[int, str | None]) -> tuple[bool | None, str]:
-        differing, processing = outcome
-        if reason := unavailable(processing):
-            return None, reason
-        return differing == 0, f"fix on: {len(prompts) - differing}/{len(prompts)} rows identical to the trainer's"
-
-    return off_then_on("prompt_parity", measure, bug, fix)
-
-
 FIX = Fix(
     name="prompt_parity",
     summary="vLLM gets each image as the one pad it expands; its prompt ids are checked against the trainer's",
@@ -469,7 +429,7 @@ FIX = Fix(
         ),
     ),
     counters=(PROMPT_MISMATCH_ROWS,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.prompt_parity:check",
     scope=scope,
     applies=applies,
 )

@@ -296,34 +296,6 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
-def selftest(context: Any, family: str) -> Any:
-    """TRL's real VLLMGeneration on the engine stand-in, driven as GRPO drives it (a second rollout in a step, a
-    three-turn tool loop, a lone generate, an evaluation): on which weights does each rollout run?"""
-    from ..selftest.rollout_schedule import TrainerLoop, build_generation, run_schedule
-    from ..selftest.runner import off_then_on
-
-    def measure() -> TrainerLoop:
-        loop = TrainerLoop(build_generation(context.model_dir(family), context.processor(family)))
-        run_schedule(loop)
-        return loop
-
-    def bug(loop: TrainerLoop) -> tuple[bool, str]:
-        detail = (
-            f"fix off: {loop.stale}/{loop.generates} rollouts on stale or garbage weights, "
-            f"{loop.engine.disk_reloads} disk reloads"
-        )
-        return loop.stale > 0, detail
-
-    def fix(loop: TrainerLoop) -> tuple[bool, str]:
-        ok = loop.stale == 0 and loop.engine.disk_reloads == 0 and loop.max_full_pushes_per_generate <= 1
-        return ok, (
-            f"fix on: {loop.generates - loop.stale}/{loop.generates} rollouts on current weights, "
-            f"{loop.engine.disk_reloads} disk reloads"
-        )
-
-    return off_then_on("reload_skip", measure, bug, fix)
-
-
 # every target of this fix relies on TRL's generate reloading from disk, and steps aside where TRL re-pushes itself
 _CHECKS: dict[str, Any] = {"shape_problem": _reload_shape, "upstream_fixed": _upstream_repushes}
 
@@ -346,7 +318,7 @@ FIX = Fix(
     ),
     settings=(TOOL_SLEEP,),
     counters=(WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.reload_skip:check",
     scope=scope,
     applies=applies,
 )

@@ -397,37 +397,6 @@ def applies(plan: Plan) -> str | None:
     return None
 
 
-def selftest(context: Any, family: str) -> Any:
-    """A policy that loves its placeholders (lm_head rows scaled): its rollout crashes scoring upstream."""
-    import torch
-
-    from ..selftest.batch_scoring import score_batch
-    from ..selftest.fixtures import mixed_rows
-    from ..selftest.runner import off_then_on
-
-    trainer = context.trainer(family, "loving")
-    banned = set(placeholder_tokens(trainer))
-    with torch.no_grad():
-        trainer.model.lm_head.weight[sorted(banned)] *= 50.0
-    rows = mixed_rows(((96, 64, "cats"), (96, 64, "dogs")))  # equal lengths: this check needs no realign
-
-    def measure() -> str | int:
-        torch.manual_seed(0)
-        try:
-            out, _ = score_batch(trainer, rows)
-        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
-            return f"{type(error).__name__}: {str(error)[:80]}"
-        return sum(bool(banned & set(row.tolist())) for row in out["completion_ids"])
-
-    def bug(outcome: str | int) -> tuple[bool, str]:
-        return isinstance(outcome, str) or outcome > 0, f"fix off: a placeholder-loving policy's rollout: {outcome}"
-
-    def fix(outcome: str | int) -> tuple[bool, str]:
-        return outcome == 0, f"fix on: scored, {outcome} completions holding a placeholder"
-
-    return off_then_on("vision_token_guard", measure, bug, fix)
-
-
 FIX = Fix(
     name="vision_token_guard",
     summary="sampled vision placeholder tokens are banned, and masked out of the loss if one still gets through",
@@ -445,7 +414,7 @@ FIX = Fix(
     ),
     settings=(BAN,),
     counters=(VISION_TOKEN_ROWS_MASKED,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.vision_token_guard:check",
     scope=scope,
     applies=applies,
 )

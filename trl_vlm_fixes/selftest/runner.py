@@ -1,7 +1,8 @@
 """``python -m trl_vlm_fixes selftest``: show each bug and each fix on the installed stack, in under a minute on a CPU.
 
-Tiny random Qwen3.5 VLMs, dense and MoE, are built offline in a temporary folder. Each fix declares its check
-(``Fix.selftest``, in its own module); each runs for both families, once with the fixes reverted (upstream behaviour:
+Tiny random Qwen3.5 VLMs, dense and MoE, are built offline in a temporary folder. Each fix names its check
+(``Fix.selftest``, ``"module:function"``: its module in ``checks/``), resolved here when the self-test runs
+(``resolve_check``); each runs for both families, once with the fixes reverted (upstream behaviour:
 is the bug present here?) and once with them applied (does the fix work here?). ``only`` runs the named checks alone.
 
 Quiet unless ``verbose``: what the libraries write while the checks run (weight-loading progress bars, their
@@ -12,6 +13,7 @@ from more, and on a busy 2-core machine torch's default (a thread per core) made
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -35,6 +37,11 @@ NOT_CHECKED = {
 
 class UnknownCheckError(ValueError):
     """``only`` names something that is not a fix with a self-test check."""
+
+
+class CheckReferenceError(LookupError):
+    """A fix's ``selftest`` reference names no function that can be called (module missing, attribute missing, or
+    not callable)."""
 
 
 @dataclass
@@ -116,6 +123,30 @@ def not_checked() -> dict[str, str]:
     }
 
 
+def resolve_check(name: str) -> Callable[[SelftestContext, str], CheckResult]:
+    """The function the fix ``name`` declares as its check (``Fix.selftest``, ``"module:function"``), imported now:
+    ``CheckReferenceError`` naming the fix, its reference and what is missing where it does not resolve."""
+    from .. import REGISTRY
+
+    reference = REGISTRY.fixes[name].selftest
+    if reference is None:
+        raise CheckReferenceError(f"fix {name} declares no self-test check (Fix.selftest)")
+    module_name, _, attribute = reference.partition(":")
+    where = f"fix {name}'s self-test check {reference!r} does not resolve"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise  # the check's module exists, and something it imports is missing: that error is the news
+        raise CheckReferenceError(f"{where}: no module {error.name!r}") from error
+    check = getattr(module, attribute, None)
+    if check is None:
+        raise CheckReferenceError(f"{where}: module {module_name!r} has no {attribute!r}")
+    if not callable(check):
+        raise CheckReferenceError(f"{where}: {attribute!r} is a {type(check).__name__}, not a function")
+    return check
+
+
 def selected(only: list[str] | None) -> list[str]:
     """The checks to run, in report order: every declared one, or those ``only`` names (``UnknownCheckError``
     naming the valid names otherwise). No torch, TRL or vLLM imported."""
@@ -141,6 +172,7 @@ def collect(only: list[str] | None = None, progress: IO[str] | None = None) -> d
     from ..status import build_status
 
     names = selected(only)
+    resolved = {name: resolve_check(name) for name in names}  # every reference before minutes of work
     REGISTRY.import_targets()
     started = time.perf_counter()
     checks: dict[str, CheckResult] = {}
@@ -148,9 +180,7 @@ def collect(only: list[str] | None = None, progress: IO[str] | None = None) -> d
     try:
         with tempfile.TemporaryDirectory(prefix="trl_vlm_fixes_selftest_", ignore_cleanup_errors=True) as workdir:
             context = SelftestContext(workdir)
-            for name in names:
-                check = REGISTRY.fixes[name].selftest
-                assert check is not None  # selected() keeps declared checks only
+            for name, check in resolved.items():
                 checks[name] = _over_families([check(context, family) for family in FAMILIES])
                 if progress is not None:
                     print(f"trl_vlm_fixes selftest: {name} done in {checks[name].seconds:.1f} s", file=progress)

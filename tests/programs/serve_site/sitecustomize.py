@@ -7,9 +7,13 @@ the engine; when TRL's worker then tells the server it is ready, they and the pl
 ``SERVE_FOREIGN_WRAPPER``: the stand-in sits inside another library's wrapt wrapper, as an instrumentation of vLLM
 would. ``SERVE_START_METHOD``: the multiprocessing start method (spawn and forkserver re-import the server module in
 each worker, as on macOS or Python >= 3.14).
+
+The plugin's logger is at INFO, as a user turns it on (a handler, the ``trl_vlm_fixes`` logger at INFO): a healthy
+engine's line is INFO. The handler writes the message alone, as Python's last-resort handler writes a WARNING.
 """
 
 import json
+import logging
 import os
 import sys
 import types
@@ -59,6 +63,9 @@ def _report_when_ready(wrapped, instance, args, kwargs):
         os._exit(0)
     return wrapped(*args, **kwargs)
 
+
+logging.basicConfig(format="%(message)s")
+logging.getLogger("trl_vlm_fixes").setLevel(logging.INFO)
 
 if os.environ.get("SERVE_START_METHOD"):
     import multiprocessing

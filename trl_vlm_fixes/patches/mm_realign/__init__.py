@@ -119,54 +119,13 @@ def realign_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     return result
 
 
-CRASHING_ORDER = (0, 1, 2, 3)
-SILENT_ORDER = (3, 2, 1, 0)
-INVARIANCE_TOLERANCE = 1e-5
-
-
-def selftest(context: Any, family: str) -> Any:
-    """The mixed image batch (four image sizes, four prompt lengths) scored in two orders: it crashes or is scored
-    away from each row alone upstream; with the fix every row gets what it gets alone."""
-    from ...selftest.batch_scoring import max_batch_vs_alone_gap
-    from ...selftest.fixtures import mixed_rows
-    from ...selftest.runner import off_then_on
-
-    trainer, processor = context.trainer(family), context.processor(family)
-    rows = mixed_rows()
-
-    def measure() -> dict[str, Any]:
-        outcome: dict[str, Any] = {}
-        for label, order in (("crashing", CRASHING_ORDER), ("silent", SILENT_ORDER)):
-            try:
-                outcome[label] = max_batch_vs_alone_gap(trainer, processor, [rows[i] for i in order])
-            except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
-                outcome[label] = f"{type(error).__name__}: {str(error)[:90]}"
-        return outcome
-
-    def describe(outcome: dict[str, Any]) -> str:
-        return ", ".join(
-            f"{label} batch {value if isinstance(value, str) else f'log-probs off by {value:.1e} from each row alone'}"
-            for label, value in outcome.items()
-        )
-
-    def bug(outcome: dict[str, Any]) -> tuple[bool, str]:
-        wrong = [v for v in outcome.values() if isinstance(v, str) or v > 1e-3]
-        return bool(wrong), f"fix off: {describe(outcome)}"
-
-    def fix(outcome: dict[str, Any]) -> tuple[bool, str]:
-        ok = all(isinstance(v, float) and v <= INVARIANCE_TOLERANCE for v in outcome.values())
-        return ok, f"fix on: {describe(outcome)}"
-
-    return off_then_on("mm_realign", measure, bug, fix)
-
-
 FIX = Fix(
     name="mm_realign",
     summary="rebuild mm_token_type_ids from the input_ids the model sees (Qwen3.5, Qwen3-VL, Qwen2.5-VL; also MoE)",
     packages=("trl",),
     targets=on_trainers({_TARGET_METHOD: realign_wrapper}, required_parameters=_REQUIRED),
     counters=(REALIGNED_ROWS,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.mm_realign:check",
     scope=scope,
     applies=applies,
 )

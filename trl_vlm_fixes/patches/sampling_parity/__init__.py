@@ -47,7 +47,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ... import metrics
@@ -57,7 +57,13 @@ from ...log_once import warn_once
 from ...logs import fix_logger
 from ...plan_rules import vllm_logprobs_compared
 from ...source_shape import function_tree, string_constants
-from .distribution import SamplingDistribution, effective_settings, read_distribution
+from .distribution import (
+    LOGIT_MIN_P,
+    PROBABILITY_MIN_P,
+    SamplingDistribution,
+    effective_settings,
+    read_distribution,
+)
 from .engine_sampler import ENGINE_SAMPLER_TARGETS, routed
 
 LOGGER = fix_logger(__name__)
@@ -112,28 +118,44 @@ def record_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, 
 
 
 def _asked_for(generation: Any) -> SamplingDistribution | str:
-    _warn_if_v2_runner(generation)
     mode = _logprobs_mode(generation)
     if mode not in (None, "processed_logprobs"):
         return f"the engine returns {mode}, not processed_logprobs"
     processing = getattr(generation, "processing_class", None)
     tokenizer = getattr(processing, "tokenizer", processing)
-    return read_distribution(effective_settings(generation), tokenizer)
+    distribution = read_distribution(effective_settings(generation), tokenizer)
+    if isinstance(distribution, str) or distribution.min_p <= 0.0:
+        return distribution
+    return replace(distribution, min_p_rule=_engine_min_p_rule(generation))
 
 
-def _warn_if_v2_runner(generation: Any) -> None:
-    """vLLM's V2 model runner (0.25.1's default for Qwen3-VL and Qwen2.5-VL) samples with kernels of its own for the
-    temperature, min-p and the log-softmax; the trainer applies V1's functions: say so, once per process."""
-    config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
-    if getattr(generation, "mode", None) == "colocate" and getattr(config, "use_v2_model_runner", False) is True:
-        warn_once(
-            ("sampling_parity", "V2 model runner"),
-            "the colocated engine runs vLLM's V2 model runner, whose temperature, min-p and log-softmax kernels are "
-            "not the V1 functions the trainer applies: the ratio can keep a small per-token difference there "
-            "(unmeasured). VLLM_USE_V2_MODEL_RUNNER=0 in the engine's environment gives the V1 runner the fix is "
-            "proven on.",
-            logger=LOGGER,
-        )
+def _engine_min_p_rule(generation: Any) -> str:
+    """The min-p rule of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
+    neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts at logit < max + log(min_p), V1 at
+    prob < min_p * max prob; its temperature, bias and log-softmax kernels compute what V1's functions compute
+    (``tests/test_v2_runner.py`` runs them in Triton's interpreter). The colocated engine's runner is read from its
+    config; a server's cannot be read from the trainer: V1's rule is kept, and one WARNING says so."""
+    if getattr(generation, "mode", None) == "colocate":
+        config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
+        if getattr(config, "use_v2_model_runner", False) is True:
+            warn_once(
+                ("sampling_parity", "V2 model runner"),
+                "the colocated engine runs vLLM's V2 model runner: the trainer cuts min-p by its rule (logit < max "
+                "logit + log(min_p))",
+                logger=LOGGER,
+                level=logging.INFO,
+            )
+            return LOGIT_MIN_P
+        return PROBABILITY_MIN_P
+    warn_once(
+        ("sampling_parity", "server min-p rule"),
+        "min_p is set and TRL's server engine's model runner cannot be read from the trainer: the trainer cuts by "
+        "vLLM's V1 rule (prob < min_p * max prob); vLLM's V2 runner (0.25.1's default for models neither hybrid nor "
+        "MoE, every model's from 0.29) cuts at logit < max + log(min_p), which differs at the boundary token. Start "
+        "the server with VLLM_USE_V2_MODEL_RUNNER=0 to make the ratio exact there.",
+        logger=LOGGER,
+    )
+    return PROBABILITY_MIN_P
 
 
 def _logprobs_mode(generation: Any) -> str | None:
@@ -530,57 +552,6 @@ def scope(trainer: Any) -> str | None:
     return _no_ratio(getattr(method, "__wrapped__", method)) if method is not None else "it has no rollout to score"
 
 
-def selftest(context: Any, family: str) -> Any:
-    """One GRPO step in colocate mode on the engine stand-in, which samples through vLLM's own Sampler with top_k=5
-    from the trainer's own weights: TRL's importance-sampling weight of each completion, upstream and with the fix."""
-    import os
-
-    from transformers import PrinterCallback
-
-    from ...selftest.fixtures import build_trainer, text_dataset
-    from ...selftest.rollout_schedule import standin_engine_installed
-    from ...selftest.runner import off_then_on
-
-    def measure() -> dict[str, float] | str:
-        try:
-            with standin_engine_installed():
-                trainer = build_trainer(
-                    context.model_dir(family),
-                    context.processor(family),
-                    os.path.join(context.workdir, f"sampling-{family}"),
-                    use_vllm=True,
-                    vllm_mode="colocate",
-                    max_steps=1,
-                    max_completion_length=16,
-                    generation_kwargs={"top_k": 5, "seed": 0},
-                    disable_tqdm=True,
-                    dataset=text_dataset(),  # equal-length prompts: no other fix is needed to score them
-                )
-                trainer.remove_callback(PrinterCallback)  # --json: stdout carries the report alone
-                trainer.train()
-        except ImportError as error:  # no vLLM here: nothing samples as vLLM does
-            return f"vLLM's Sampler is not importable here ({error})"
-        except Exception as error:  # noqa: BLE001 - any failure is a verdict here, never a crash
-            return f"{type(error).__name__}: {str(error)[:90]}"
-        return next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)
-
-    def weight(outcome: dict[str, float]) -> float:
-        return outcome["sampling/importance_sampling_ratio/mean"]
-
-    def bug(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
-        if isinstance(outcome, str):
-            return None, outcome
-        return weight(outcome) < 0.9, f"fix off: top_k=5 gives a mean importance weight of {weight(outcome):.3g}"
-
-    def fix(outcome: dict[str, float] | str) -> tuple[bool | None, str]:
-        if isinstance(outcome, str):
-            return None, outcome
-        kept = outcome.get(SAMPLING_KEPT_MASS.name, float("nan"))
-        return abs(weight(outcome) - 1.0) < 1e-5, f"fix on: {weight(outcome):.6f} (kept share per token {kept:.2f})"
-
-    return off_then_on("sampling_parity", measure, bug, fix)
-
-
 FIX = Fix(
     name="sampling_parity",
     summary="the importance-sampling ratio compares vLLM's processed log-probs with the trainer's of the same "
@@ -592,7 +563,7 @@ FIX = Fix(
         *ENGINE_SAMPLER_TARGETS,
     ),
     counters=(SAMPLING_KEPT_MASS,),
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.sampling_parity:check",
     scope=scope,
     applies=vllm_logprobs_compared,
 )

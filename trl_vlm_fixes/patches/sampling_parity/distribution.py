@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _SAMPLING_EPS = 1e-5  # vLLM: below this temperature a request is greedy
+# the engine's min-p rule (``SamplingDistribution.min_p_rule``): vLLM's V1 sampler, its V2 model runner
+PROBABILITY_MIN_P = "probability"
+LOGIT_MIN_P = "logit"
 # SamplingParams fields that do not change which token is sampled or its processed log-probability
 _NEUTRAL = frozenset(
     {
@@ -68,6 +71,9 @@ class SamplingDistribution:
     bad_word_ids: tuple[int, ...] = ()  # the one-token bad words among them (vLLM bans them with apply_bad_words)
     biases: tuple[tuple[int, float], ...] = ()  # finite logit_bias, added before the temperature
     allowed: tuple[int, ...] | None = None  # allowed_token_ids: every other token is banned
+    # the engine's min-p rule: V1's ``MinPLogitsProcessor`` (PROBABILITY_MIN_P: prob < min_p * max prob) or the V2
+    # runner's kernel (LOGIT_MIN_P: logit < max logit + log(min_p)); the two differ at the boundary token
+    min_p_rule: str = PROBABILITY_MIN_P
 
     @property
     def truncates(self) -> bool:
@@ -86,6 +92,8 @@ class SamplingDistribution:
         if self.allowed is not None:
             parts.append(f"{len(self.allowed)} allowed tokens")
         parts += [f"{name}={value:g}" for name, value, off in self._truncation() if value != off]
+        if self.min_p > 0.0 and self.min_p_rule == LOGIT_MIN_P:
+            parts.append("min-p by the V2 runner's logit rule")
         return ", ".join(parts)
 
     def _truncation(self) -> list[tuple[str, float, float]]:

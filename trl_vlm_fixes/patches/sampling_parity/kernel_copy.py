@@ -18,7 +18,7 @@ substitutions, each required to match exactly once:
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so triton.language's own jit functions
 (``tl.sum``, ``tl.zeros``...) are compiled-mode objects in a process that imported triton without it. The interpreter
-mode is therefore a block (``_interpreting``), around the copy's decoration and around each of its runs: the knob on
+mode is therefore a block (``interpreting``), around the copy's decoration and around each of its runs: the knob on
 (``triton.knobs.runtime.scope`` puts the previous value back) and interpreted twins of those library functions in
 place, all restored at the block's end, so the rest of the process sees Triton as it was. The source is written to a
 file because the interpreter re-reads each kernel's source with ``inspect``.
@@ -97,7 +97,7 @@ def interpreted_top_k_top_p(tiles: str = CUDA_TILES) -> TopKTopP:
     kernel: TopKTopP = copy_namespace(tiles)["apply_top_k_top_p_triton"]
 
     def apply_top_k_top_p_triton(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-        with _interpreting():
+        with interpreting():
             return kernel(logits, k, p)
 
     return apply_top_k_top_p_triton
@@ -127,7 +127,7 @@ def copy_namespace(tiles: str) -> dict[str, Any]:
         "__file__": str(path),
         "TILES_OF": lambda device_type: tiles,
     }
-    with _interpreting():
+    with interpreting():
         exec(compile(source, str(path), "exec"), namespace)  # vLLM's own source, checked above
     namespace["num_compute_units"] = lambda device_id=None: _PROGRAMS
     return namespace
@@ -154,7 +154,7 @@ def _library_swaps() -> tuple[tuple[ModuleType, str, Any, Any], ...]:
 
 
 @contextmanager
-def _interpreting() -> Iterator[None]:
+def interpreting() -> Iterator[None]:
     """Triton in interpreter mode, for this thread's block only: the ``TRITON_INTERPRET`` knob (read when
     ``@triton.jit`` decorates and by constexpr functions) and triton.language's own jit functions; both put back.
     The interpreter itself patches ``triton.language`` while a kernel runs, so runs take turns."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .distribution import SamplingDistribution
+from .distribution import LOGIT_MIN_P, SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
 CHUNK_ELEMENTS = 1 << 26
@@ -260,6 +260,7 @@ class VllmSteps:
             self.disallowed = torch.ones(1, vocabulary, dtype=torch.bool, device=device)
             self.disallowed[0, list(distribution.allowed)] = False
         self.bad_words = [[token] for token in distribution.bad_word_ids]
+        self.logit_min_p = distribution.min_p > 0.0 and distribution.min_p_rule == LOGIT_MIN_P
         self.temperature = torch.full((rows,), distribution.temperature, dtype=torch.float32, device=device)
         # InputBatch: k=None unless some request has 0 < top_k < vocabulary, p=None unless some has top_p < 1
         top_k = distribution.top_k if 0 < distribution.top_k < vocabulary else 0
@@ -292,7 +293,7 @@ class VllmSteps:
         logits = bias.apply(logits)
         logits = Sampler.apply_temperature(logits, self.temperature, True)
         before_cut = logits.gather(1, ids)
-        logits = min_p.apply(logits)
+        logits = _logit_min_p(logits, self.distribution.min_p) if self.logit_min_p else min_p.apply(logits)
         logits = top_k_top_p(logits, self.k, self.p)
         # the sampled token is always kept, at its value before the cuts (before the bans too, if they took it)
         after = logits.gather(1, ids)
@@ -312,6 +313,15 @@ class VllmSteps:
         if plain_lse is None:
             return Scored(processed, nan, sampled_logit, no_ban, nan, kept_lse)
         return Scored(processed, kept_lse - plain_lse, sampled_logit, no_ban, nan, nan)
+
+
+def _logit_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's V2 runner's min-p (``vllm/v1/worker/gpu/sample/min_p.py``, ``_min_p_kernel``): a token whose float32
+    logit (after the temperature) is below the row's largest plus ``log(min_p)`` is cut, in place. V1's
+    ``MinPLogitsProcessor`` compares probabilities instead (``prob < min_p * max prob``): the same cut in exact
+    arithmetic, another one in float32 at the boundary token."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(torch.tensor(min_p, dtype=torch.float32))
+    return logits.masked_fill_(logits < threshold.to(logits.device), -math.inf)
 
 
 def _logsumexp_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

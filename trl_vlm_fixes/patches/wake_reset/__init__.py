@@ -144,34 +144,6 @@ def applies(plan: Plan) -> str | None:
     return None
 
 
-def selftest(context: Any, family: str) -> Any:
-    """vLLM's real Qwen3-VL class (the deepstack sibling of ``family``) as TRL's colocated engine on the CPU: after
-    level-2 sleeps whose wakes hand out NaN pages, does TRL's generate run on a fresh model's logits?"""
-    from ... import REGISTRY
-    from ...selftest.runner import CheckResult, off_then_on
-    from ...selftest.vllm_engine import DEEPSTACK_SIBLING, VllmModelUnavailable, WakeCheck, release
-
-    sibling = DEEPSTACK_SIBLING.get(family, family)
-    layout = _push_fails(context.model_dir(sibling))
-    if layout:  # TRL's push itself fails there (expert_layout warns): no wake to check
-        return CheckResult(REGISTRY.fix_state("wake_reset")[0], None, None, 0.0, f"{sibling}: {layout}")
-    check = WakeCheck(context.model_dir(sibling), context.processor(sibling), label=sibling)
-    try:
-        return off_then_on("wake_reset", check.measure, check.judge_bug, check.judge_fix)
-    except VllmModelUnavailable as error:
-        return CheckResult(REGISTRY.fix_state("wake_reset")[0], None, None, 0.0, f"{sibling}: {error}")
-    finally:
-        release()  # vLLM's world of one rank: a dense and a MoE model need different ones
-
-
-def _push_fails(model_dir: Any) -> str | None:
-    from transformers import AutoConfig
-
-    from ...moe_backend import fused_expert_layout_problem
-
-    return fused_expert_layout_problem(AutoConfig.from_pretrained(model_dir))
-
-
 _TARGETS = (
     Target(_MODULE, "VLLMGeneration.generate", wake_wrapper),
     Target(_MODULE, "VLLMGeneration.sync_weights", wake_wrapper),
@@ -183,7 +155,7 @@ FIX = Fix(
     "buffer) are put back to a fresh engine's values",
     packages=("trl", "vllm"),
     targets=_TARGETS,
-    selftest=selftest,
+    selftest="trl_vlm_fixes.selftest.checks.wake_reset:check",
     scope=scope,
     applies=applies,
 )
