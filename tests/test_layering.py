@@ -1,13 +1,17 @@
-"""The layering of the plugin's own source: the self-test stands beside the fixes.
+"""The layering of the plugin's own source: the core below the fixes, the self-test beside them.
 
 The harness (``trl_vlm_fixes/selftest/``) may import the fixes and the core; no fix (``patches/``) and no core module
 imports the harness, so ``import trl_vlm_fixes`` never loads it and no import circle joins a fix and the harness. A
-fix names its check (``Fix.selftest = "module:function"``), which the self-test resolves when it runs.
+fix names its check (``Fix.selftest = "module:function"``), which the self-test resolves when it runs. No core module
+imports a fix (``__init__`` aside, which imports the list of fixes, ``patches/__init__.py``, and the CLI): the core
+reads what it needs of a fix from its declaration, through the registry (``registry.active()``, the package's one way
+to reach it); and the package's import graph has no cycle at all, inside functions included.
 
 Checked twice: in a fresh interpreter (what ``import trl_vlm_fixes`` leaves in ``sys.modules``), and statically over
 the source, every ``import`` / ``from ... import`` statement (module level and inside functions, relative ones
 resolved) and every ``importlib.import_module("...")`` with a constant name. Each check is also run on a copy of the
-package with a harness import put back into one fix, to show that it fails there.
+package with a harness import put back into one fix, or a fix import and a ``from . import REGISTRY`` put back into the
+core, to show that it fails there.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ FIXES = f"{PACKAGE}.patches"
 # The one module outside the harness allowed to import it: the CLI, whose ``selftest`` command is the harness's entry
 # point (inside ``main``; ``import trl_vlm_fixes`` never imports ``__main__``).
 HARNESS_ENTRY_POINTS = {(f"{PACKAGE}.__main__", f"{HARNESS}.runner")}
+# The core's imports of the fixes allowed: ``__init__`` imports the list of fixes (``patches/__init__.py``); the CLI
+# (``__main__``, which ``import trl_vlm_fixes`` never loads) is left out of the check.
+CORE_IMPORTS_OF_FIXES = {(PACKAGE, FIXES)}
+CLI = f"{PACKAGE}.__main__"
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,19 @@ def harness_imports_outside_the_harness(root: Path) -> list[str]:
         if _under(i.imported, HARNESS)
         and not _under(i.importer, HARNESS)
         and (i.importer, i.imported) not in HARNESS_ENTRY_POINTS
+    ]
+
+
+def core_imports_of_fixes(root: Path) -> list[str]:
+    """The imports of a module under ``patches/`` by a core module (neither a fix nor the harness), as lines."""
+    return [
+        f"{i.importer} (line {i.line}{', in a function' if i.deferred else ''}) imports {i.imported}"
+        for i in imports_of(root)
+        if _under(i.imported, FIXES)
+        and not _under(i.importer, FIXES)
+        and not _under(i.importer, HARNESS)
+        and i.importer != CLI
+        and (i.importer, i.imported) not in CORE_IMPORTS_OF_FIXES
     ]
 
 
@@ -203,6 +224,23 @@ def harness_imported_by_a_fix(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.fixture
+def fix_imported_by_the_core(tmp_path: Path) -> Path:
+    """A copy of the package whose core reaches a fix and the registry as it did: ``trainer_start`` imports the
+    watchdog and ``metrics`` the package's ``REGISTRY``, each inside a function."""
+    root = tmp_path / PACKAGE
+    shutil.copytree(INSTALLED, root, ignore=shutil.ignore_patterns("__pycache__"))
+    for module, function, statement in (
+        ("trainer_start.py", "def _after_init(", "from .patches.watchdog import register_owner"),
+        ("metrics.py", "def declared(", "from . import REGISTRY"),
+    ):
+        path = root / module
+        text = path.read_text()
+        assert function in text
+        path.write_text(text + f"\n\ndef _put_back() -> None:\n    {statement}  # noqa: F401\n")
+    return root
+
+
 def test_importing_the_plugin_loads_no_harness_module() -> None:
     assert harness_modules_after_import() == []
 
@@ -229,21 +267,35 @@ def test_the_static_checks_see_a_harness_import_in_a_fix(harness_imported_by_a_f
     assert [f"{FIXES}.reload_skip", f"{HARNESS}.rollout_schedule"] in fix_and_harness_cycles(harness_imported_by_a_fix)
 
 
-def test_every_other_cycle_of_the_package_closes_through_a_deferred_import() -> None:
-    """The whole package's graph has cycles (the core's ``from . import REGISTRY`` inside functions;
-    ``model_facts`` -> ``server_flags`` -> the engine fixes -> ``plan_rules`` -> ``model_facts``), each closed by an
-    import inside a function; the imports run at module import form none, so no import order can meet a half-built
-    module."""
+def test_the_package_import_graph_has_no_cycle() -> None:
+    """No cycle in the whole package's graph, imports inside functions included: the core reaches the registry as
+    ``registry.active()`` (never ``from . import REGISTRY``) and a fix's facts through its declaration."""
     imports = imports_of(INSTALLED)
-    assert cycles([(i.importer, i.imported) for i in imports if not i.deferred]) == []
-    assert package_cycles(INSTALLED)  # the checker sees the deferred ones (listed in the docstring above)
+    assert any(i.deferred for i in imports)  # the imports inside functions are in the graph
+    assert package_cycles(INSTALLED) == []
+
+
+def test_no_core_module_imports_a_fix() -> None:
+    edges = {(i.importer, i.imported) for i in imports_of(INSTALLED)}
+    assert (PACKAGE, FIXES) in edges  # __init__ -> the list of fixes: allowed, and seen
+    assert (f"{FIXES}.gdn_prefill", f"{PACKAGE}.registry") in edges  # fix -> core: allowed, and seen
+    assert core_imports_of_fixes(INSTALLED) == []
+
+
+def test_the_static_checks_see_a_fix_import_and_a_registry_import_in_the_core(fix_imported_by_the_core: Path) -> None:
+    found = core_imports_of_fixes(fix_imported_by_the_core)
+    assert [line for line in found if line.endswith(f", in a function) imports {FIXES}.watchdog")], found
+    assert all(line.startswith(f"{PACKAGE}.trainer_start (line ") for line in found), found
+    found_cycles = package_cycles(fix_imported_by_the_core)
+    assert [cycle for cycle in found_cycles if {PACKAGE, f"{PACKAGE}.metrics"} <= {*cycle}], found_cycles
 
 
 def test_relative_imports_resolve_to_the_modules_they_name() -> None:
     imported = {(i.importer, i.imported) for i in imports_of(INSTALLED)}
     assert (f"{FIXES}.cudagraph", f"{PACKAGE}.protection") in imported  # from .. import protection
     assert (f"{FIXES}", f"{FIXES}.watchdog") in imported  # from . import (..., watchdog)
-    assert (f"{HARNESS}.checks.wake_reset", PACKAGE) in imported  # from ... import REGISTRY, inside check()
+    assert (f"{HARNESS}.checks.wake_reset", f"{PACKAGE}.registry") in imported  # from ...registry import active
+    assert (f"{HARNESS}.runner", PACKAGE) in imported  # from .. import apply, revert, inside off_then_on()
 
 
 def test_every_declared_check_resolves_in_the_harness_to_a_function() -> None:

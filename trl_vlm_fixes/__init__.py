@@ -11,10 +11,7 @@ from typing import Any
 from . import trainer_start
 from .applicability import applicability as _applicability
 from .metrics import support_targets
-from .patches import ALL_FIXES
-from .patches.cudagraph import CudagraphModeError
-from .patches.expert_layout import ExpertLayoutError
-from .patches.gdn_prefill import GdnPrefillBackendError
+from .patches import ALL_FIXES, ExpertLayoutError
 from .registry import FixNotApplicableError, Registry
 from .server_flags import advise_trl_server
 from .status import build_status
@@ -24,10 +21,8 @@ __version__ = "0.2.0"
 # how the plugin was activated: "import" (the one-line import) or "launcher" (trl-vlm-fixes run, set by its bootstrap)
 ACTIVATION: str = globals().get("ACTIVATION", "import")
 __all__ = [
-    "CudagraphModeError",
     "ExpertLayoutError",
     "FixNotApplicableError",
-    "GdnPrefillBackendError",
     "SwitchValueError",
     "__version__",
     "applicability",
@@ -36,9 +31,10 @@ __all__ = [
     "status",
 ]
 
-# One registry per process, kept across importlib.reload so that a reload never wraps anything twice.
+# One registry per process, kept across importlib.reload so that a reload never wraps anything twice. The package
+# reaches it as ``registry.active()``; this name is the public API's (the tests', the examples').
 REGISTRY: Registry = globals().get("REGISTRY") or Registry(
-    ALL_FIXES, support=support_targets() + trainer_start.support_targets()
+    ALL_FIXES, support=support_targets() + trainer_start.support_targets(__version__)
 )
 
 

@@ -88,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
         only = None if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
         return run_selftest(as_json=args.json, only=only, verbose=args.verbose)
-    from . import REGISTRY, status
+    from . import status
+    from .registry import active
     from .status import render_table
 
-    REGISTRY.import_targets()
+    active().import_targets()
     report = status()
     if args.model is not None:
         return _status_of_model(args, report)

@@ -15,6 +15,7 @@ from typing import Any
 from .declaration import Fix, Plan
 from .model_facts import deepstack_levels, has_gated_deltanet, has_routed_experts, read_config
 from .moe_backend import fused_expert_layout_problem
+from .registry import active
 
 WILL_ACT = "will act"
 STEPS_ASIDE = "steps aside"
@@ -56,7 +57,7 @@ def applicability(
     """For checkpoint ``model`` (a folder, a ``config.json``, a Hub id already in the local cache, or the config as a
     dict) trained in ``mode`` (``colocate``, ``server``, ``none``: no vLLM), each fix's verdict and reason."""
     if registry is None:
-        from . import REGISTRY as registry
+        registry = active()
     config = dict(model) if isinstance(model, Mapping) else read_config(model)
     plan = Plan(config, mode, sleep_mode)
     fixes: dict[str, dict[str, str]] = {}

@@ -7,7 +7,7 @@ the fixes are reported and wrapped (the first is innermost where several fixes w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,6 +90,16 @@ class Counter:
 
 
 @dataclass(frozen=True)
+class ServerAdvice:
+    """What an engine fix would give the engine of vLLM's own server, which ``trl vllm-serve`` (TRL >= 1.11) execs in
+    its place out of the fixes' reach: as that server's flags (``server_flags`` says them in the server)."""
+
+    flags: tuple[str, ...] = ()  # to pass now, less those the server's command already has
+    after_hang: str | None = None  # to restart with after the trainer's watchdog reports a server generate that hung
+    after_repeated_hang: str = ""  # what a second hang asks for, named beside ``after_hang``
+
+
+@dataclass(frozen=True)
 class Fix:
     """One fix, as its module declares it (``FIX = Fix(...)``, the module's last statement)."""
 
@@ -115,6 +125,12 @@ class Fix:
     protected: tuple[tuple[int, str, Any], ...] = ()
     # a switch that is not on/off (the watchdog's seconds): the fix is on when its value is truthy
     switch_setting: Setting | None = None
+    # called with every GRPO/RLOO trainer once its ``__init__`` returned, whatever the fix's state, before the
+    # trainer-start line (the watchdog: the trainer owns its engine)
+    at_trainer_start: Callable[[Any], None] | None = None
+    # an engine fix, asked in vLLM's own server exec'd by ``trl vllm-serve`` (with the server's command line) while it
+    # is enabled: the flags that give that engine what the fix would (``server_flags``)
+    server_advice: Callable[[Sequence[str]], ServerAdvice] | None = None
 
     def __post_init__(self) -> None:
         if self.selftest is not None and not _is_check_reference(self.selftest):

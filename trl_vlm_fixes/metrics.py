@@ -12,6 +12,7 @@ from typing import Any
 
 from .declaration import Counter, Target, on_trainers
 from .owner_state import OwnerState
+from .registry import active
 
 PREFIX = "trl_vlm_fixes/"
 _COUNT = "/count"  # a mean's item count, kept beside its sum until the log
@@ -19,9 +20,7 @@ _COUNT = "/count"  # a mean's item count, kept beside its sum until the log
 
 def declared() -> tuple[Counter, ...]:
     """Every fix's counters, in the fixes' order: the same vector on every rank, whatever each rank counted."""
-    from . import REGISTRY
-
-    return tuple(counter for fix in REGISTRY.fixes.values() for counter in fix.counters)
+    return tuple(counter for fix in active().fixes.values() for counter in fix.counters)
 
 
 # One value per owner and counter until the next log: memory stays bounded whatever logging_steps is, and for owners

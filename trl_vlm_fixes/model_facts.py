@@ -2,9 +2,10 @@
 
 ``trl-vlm-fixes status --model`` must tell a user which fixes act for their checkpoint before a long run, on a machine
 that may have neither a GPU nor the model's weights. The facts are the ones the fixes decide on at run time, from the
-same fields: Gated-DeltaNet layers (``linear_attention`` in ``layer_types``, ``server_flags``), routed experts (a
-positive expert count, ``moe_backend.has_routed_experts``), Qwen3-VL's deepstack, the vision placeholders, and whether
-the model's ``get_rope_index`` is one the markers are proven on (``vision_tokens``), compared as code read from the
+same fields: Gated-DeltaNet layers (``linear_attention`` in ``layer_types``, ``has_gated_deltanet_layers_in_json``,
+which ``server_flags`` asks too in vLLM's own server), routed experts (a positive expert count,
+``moe_backend.has_routed_experts``), Qwen3-VL's deepstack, the vision placeholders, and whether the model's
+``get_rope_index`` is one the markers are proven on (``vision_tokens``), compared as code read from the
 installed transformers' source file rather than from the imported class, so that no torch is needed.
 """
 
@@ -24,12 +25,15 @@ from .vision_tokens import PROVEN_ROPE_INDEX, _normalised
 __all__ = [
     "deepstack_levels",
     "has_gated_deltanet",
+    "has_gated_deltanet_layers_in_json",
     "has_routed_experts",
     "markers_problem",
     "read_config",
     "shares_one_placeholder",
     "vision_placeholders",
 ]
+# Model types whose transformers config puts `linear_attention` layers in `layer_types` when config.json omits them
+GATED_DELTANET_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 
 
 def read_config(model: str | Path) -> dict[str, Any]:
@@ -57,10 +61,20 @@ def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
+def has_gated_deltanet_layers_in_json(config: Mapping[str, Any]) -> bool | None:
+    """``linear_attention`` in the (text) config's ``layer_types``; a config that leaves them out is read by its
+    model type, where transformers' own default has them; None where the config cannot tell."""
+    text = config.get("text_config") or config
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        return "linear_attention" in layer_types
+    if {config.get("model_type"), text.get("model_type")} & GATED_DELTANET_MODEL_TYPES:
+        return True
+    return None
+
+
 def has_gated_deltanet(config: Mapping[str, Any]) -> bool:
     """Gated-DeltaNet layers, as the engine fixes' ``acts_on`` reads them (``linear_attention`` layers)."""
-    from .server_flags import has_gated_deltanet_layers_in_json  # it imports the patches: asked at call time
-
     return has_gated_deltanet_layers_in_json(config) is True
 
 

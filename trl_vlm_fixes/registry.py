@@ -49,7 +49,8 @@ _registries: list[Registry] = []
 
 
 def active() -> Registry:
-    """The process's registry (``trl_vlm_fixes.REGISTRY``)."""
+    """The process's registry (``trl_vlm_fixes.REGISTRY``): the package's one way to reach it (no module of the
+    package imports the name from ``trl_vlm_fixes``, whose ``__init__`` builds it)."""
     return _registries[-1]
 
 

@@ -4,7 +4,8 @@ is configured, and it is built through ``AsyncLLM``, not ``LLM(...)``, so the en
 launcher the plugin loads in that process too; there it says once which of vLLM's own flags (``trl vllm-serve``
 forwards them) give the server's engine the settings the fixes would have given it: the pinned CUDA-graph mode and the
 prefill backend now, and the ``compilation_config`` that protects it after the trainer's watchdog reports a server
-generate that never returned (no process of the server can read that report)."""
+generate that never returned (no process of the server can read that report). Each engine fix declares its flags
+(``Fix.server_advice``), read here through the registry: this module imports no fix."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .declaration import ServerAdvice
 from .logs import fix_logger
+from .model_facts import has_gated_deltanet_layers_in_json
 from .moe_backend import has_routed_experts
-from .patches.cudagraph import AUTO, HANG_MODE, PROTECTED_MODE, selected_mode
-from .patches.gdn_prefill import kernel_gone_reason, selected_backend
 from .registry import active
 
 LOGGER = fix_logger(__name__)
@@ -26,8 +27,6 @@ LOGGER = fix_logger(__name__)
 # What TRL 1.16's build_command execs: the interpreter, then these, then the model; plus flags only TRL adds
 TRL_SERVER_COMMAND = ["-m", "vllm.entrypoints.cli.main", "serve"]
 TRL_SERVER_FLAG = "--weight-transfer-config"
-# Model types whose transformers config puts `linear_attention` layers in `layer_types` when config.json omits them
-GATED_DELTANET_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 
 
 def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
@@ -37,7 +36,7 @@ def started_by_trl_vllm_serve(argv: Sequence[str], environ: Mapping[str, str]) -
     )
 
 
-def _options(argv: Sequence[str]) -> list[tuple[str, str]]:
+def command_options(argv: Sequence[str]) -> list[tuple[str, str]]:
     """(name, value) of every ``--option``/``-cc`` in ``argv``, named as vLLM reads them (``_`` as ``-``, as TRL's
     YAML config writes them: ``--compilation_config``), the value given with ``=`` or as the next argument."""
     options = []
@@ -51,40 +50,31 @@ def _options(argv: Sequence[str]) -> list[tuple[str, str]]:
     return options
 
 
-def _sets_cudagraph_mode(options: list[tuple[str, str]]) -> bool:
-    """A compilation config that sets ``cudagraph_mode``: as JSON (``--compilation-config``, ``-cc``) or dotted
-    (``-cc.cudagraph_mode=...``, ``--compilation-config.cudagraph_mode ...``)."""
-    for name, value in options:
-        base, _, field = name.partition(".")
-        dotted = field.replace("_", "-") == "cudagraph-mode"
-        if base in ("--compilation-config", "-cc") and (dotted or "cudagraph_mode" in value):
-            return True
-    return False
-
-
-def compilation_flag(mode: str) -> str:
-    """vLLM's server flag for ``cudagraph_mode`` (``trl vllm-serve`` forwards it)."""
-    return f'--compilation-config \'{{"cudagraph_mode": "{mode}"}}\''
+def fixes_advice(argv: Sequence[str]) -> list[ServerAdvice]:
+    """What each enabled fix that declares ``server_advice`` would give the server's engine, in the fixes' order."""
+    registry = active()
+    return [
+        fix.server_advice(argv)
+        for name, fix in registry.fixes.items()
+        if fix.server_advice is not None and registry.is_enabled(name)
+    ]
 
 
 def flags_to_pass(argv: Sequence[str]) -> list[str]:
     """The flags that give vLLM's server the fixes' engine settings now (a pinned CUDA-graph mode, the prefill
     backend), less those the command already has."""
-    options = _options(argv)
-    flags = []
-    if active().is_enabled("cudagraph") and selected_mode() != AUTO and not _sets_cudagraph_mode(options):
-        flags.append(compilation_flag(selected_mode()))
-    prefill_needed = active().is_enabled("gdn_prefill") and kernel_gone_reason() is None
-    if prefill_needed and "--gdn-prefill-backend" not in dict(options):
-        flags.append(f"--gdn-prefill-backend {selected_backend()}")
-    return flags
+    return [flag for advice in fixes_advice(argv) for flag in advice.flags]
+
+
+def _hang_advice(advised: list[ServerAdvice]) -> ServerAdvice | None:
+    return next((advice for advice in advised if advice.after_hang), None)
 
 
 def protection_flag(argv: Sequence[str]) -> str | None:
     """The flag that protects the server's engine after a hang (``PIECEWISE``), where the server keeps vLLM's own
     CUDA graphs (mode ``auto``, no ``cudagraph_mode`` in the command): None elsewhere."""
-    armed = active().is_enabled("cudagraph") and selected_mode() == AUTO
-    return compilation_flag(HANG_MODE) if armed and not _sets_cudagraph_mode(_options(argv)) else None
+    hang = _hang_advice(fixes_advice(argv))
+    return None if hang is None else hang.after_hang
 
 
 def served_model(argv: Sequence[str]) -> str | None:
@@ -106,20 +96,8 @@ def served_model_config(argv: Sequence[str]) -> dict[str, Any] | None:
         return json.loads(config_file.read_text()) if config_file.is_file() else None
     from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(model, "config.json", revision=dict(_options(argv)).get("--revision"))
+    cached = try_to_load_from_cache(model, "config.json", revision=dict(command_options(argv)).get("--revision"))
     return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
-
-
-def has_gated_deltanet_layers_in_json(config: Mapping[str, Any]) -> bool | None:
-    """``linear_attention`` in the (text) config's ``layer_types``; a config that leaves them out is read by its
-    model type, where transformers' own default has them; None where the config cannot tell."""
-    text = config.get("text_config") or config
-    layer_types = text.get("layer_types")
-    if layer_types is not None:
-        return "linear_attention" in layer_types
-    if {config.get("model_type"), text.get("model_type")} & GATED_DELTANET_MODEL_TYPES:
-        return True
-    return None
 
 
 def served_model_has_gated_deltanet(argv: Sequence[str]) -> bool | None:
@@ -137,7 +115,7 @@ def expert_flag_to_pass(argv: Sequence[str]) -> str | None:
     FlashInfer MoE backends (its default on Blackwell) rearrange the experts after loading, and TRL's weight push
     never re-runs that step (expert_layout). Which backend this GPU would get is not asked here: that needs torch,
     which must not be imported before vLLM's start-up; on Hopper Triton is vLLM's default anyway."""
-    if not active().is_enabled("expert_layout") or "--moe-backend" in dict(_options(argv)):
+    if not active().is_enabled("expert_layout") or "--moe-backend" in dict(command_options(argv)):
         return None
     try:
         config = served_model_config(argv)
@@ -154,8 +132,9 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
     try:
         if not started_by_trl_vllm_serve(argv, os.environ if environ is None else environ):
             return
-        flags, protection = flags_to_pass(argv), protection_flag(argv)
-        gated_deltanet = served_model_has_gated_deltanet(argv) if flags or protection else None
+        advised = fixes_advice(argv)
+        flags, hang = [flag for advice in advised for flag in advice.flags], _hang_advice(advised)
+        gated_deltanet = served_model_has_gated_deltanet(argv) if flags or hang else None
         expert_flag = expert_flag_to_pass(argv)
     except Exception as error:  # noqa: BLE001 - advice must never break the server's start
         LOGGER.debug("no server advice: %r", error)
@@ -173,7 +152,7 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
             served_model(argv),
             expert_flag,
         )
-    if not flags and not protection:
+    if not flags and not hang:
         return
     if gated_deltanet is False:
         LOGGER.warning(
@@ -191,10 +170,10 @@ def advise_trl_server(argv: Sequence[str] | None = None, environ: Mapping[str, s
         if flags
         else "no flag is needed to start"
     )
-    if protection:
+    if hang is not None:
         advice += (
             f". It keeps vLLM's own CUDA graphs (the fastest decode): if the trainer's watchdog reports a server "
-            f"generate that never returned (a wedged engine), restart the server with {protection} "
-            f"({PROTECTED_MODE} after a second hang at the same step)"
+            f"generate that never returned (a wedged engine), restart the server with {hang.after_hang} "
+            f"({hang.after_repeated_hang} after a second hang at the same step)"
         )
     LOGGER.warning("%s. %s: %s.", server, model, advice)

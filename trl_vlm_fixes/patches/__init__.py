@@ -16,6 +16,10 @@ from . import (
     wake_reset,
     watchdog,
 )
+from .expert_layout import ExpertLayoutError
+
+# ExpertLayoutError: the one fix's error the package re-exports (``trl_vlm_fixes.ExpertLayoutError``)
+__all__ = ["ALL_FIXES", "ExpertLayoutError"]
 
 ALL_FIXES: tuple[Fix, ...] = (
     mm_realign.FIX,

@@ -28,15 +28,17 @@ import dataclasses
 import functools
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from .. import protection
-from ..declaration import Fix
+from ..declaration import Fix, ServerAdvice
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..logs import fix_logger
 from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
 from ..registry import value
+from ..server_flags import command_options
 from ..switches import SwitchValueError, choice
 from ..vllm_arguments import cudagraph_mode_problem
 
@@ -64,7 +66,7 @@ SPEED_NOTE = {
 MODE = choice(
     "mode", "TRL_VLM_FIXES_CUDAGRAPH_MODE", (AUTO, *VALID_MODES), DEFAULT_MODE, "auto or a vLLM CUDAGraphMode"
 )
-CudagraphModeError = SwitchValueError  # what a bad TRL_VLM_FIXES_CUDAGRAPH_MODE raises (kept for importers)
+CudagraphModeError = SwitchValueError  # the same class: the name the tests import (a bad mode raises SwitchValueError)
 
 
 def selected_mode() -> str:
@@ -207,6 +209,33 @@ def arguments_problem() -> str | None:
     return next((problem for mode in modes if (problem := cudagraph_mode_problem(mode))), None)
 
 
+def compilation_flag(mode: str) -> str:
+    """vLLM's server flag for ``cudagraph_mode`` (``trl vllm-serve`` forwards it)."""
+    return f'--compilation-config \'{{"cudagraph_mode": "{mode}"}}\''
+
+
+def sets_cudagraph_mode(options: list[tuple[str, str]]) -> bool:
+    """A compilation config that sets ``cudagraph_mode``: as JSON (``--compilation-config``, ``-cc``) or dotted
+    (``-cc.cudagraph_mode=...``, ``--compilation-config.cudagraph_mode ...``)."""
+    for name, given in options:
+        base, _, field = name.partition(".")
+        dotted = field.replace("_", "-") == "cudagraph-mode"
+        if base in ("--compilation-config", "-cc") and (dotted or "cudagraph_mode" in given):
+            return True
+    return False
+
+
+def server_advice(argv: Sequence[str]) -> ServerAdvice:
+    """In vLLM's own server exec'd by ``trl vllm-serve``: a pinned mode as its flag now; vLLM's own mode (``auto``)
+    kept, with the flag that protects it after a hang; nothing where the command sets ``cudagraph_mode``."""
+    if sets_cudagraph_mode(command_options(argv)):
+        return ServerAdvice()
+    mode = selected_mode()
+    if mode != AUTO:
+        return ServerAdvice(flags=(compilation_flag(mode),))
+    return ServerAdvice(after_hang=compilation_flag(HANG_MODE), after_repeated_hang=PROTECTED_MODE)
+
+
 scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
 
 
@@ -241,4 +270,5 @@ FIX = Fix(
     scope=scope,
     applies=gated_deltanet_engine,
     protected=((Level.ENGINE_HANG, "mode", HANG_MODE), (Level.REPEATED_HANG, "mode", PROTECTED_MODE)),
+    server_advice=server_advice,
 )

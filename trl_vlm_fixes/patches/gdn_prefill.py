@@ -12,16 +12,18 @@ through the same mechanism as ``cudagraph``, and only for models that have Gated
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from packaging.version import Version
 
-from ..declaration import Fix
+from ..declaration import Fix, ServerAdvice
 from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
 from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
 from ..registry import active, value
-from ..switches import SwitchValueError, choice
+from ..server_flags import command_options
+from ..switches import choice
 from ..versions import installed_version, public_version
 from ..vllm_arguments import engine_argument_problem
 
@@ -32,7 +34,6 @@ BACKEND = choice(
     "backend", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND", VALID_BACKENDS, DEFAULT_BACKEND, "a GDN prefill backend we select"
 )
 BACKEND_VARIABLE = BACKEND.variable
-GdnPrefillBackendError = SwitchValueError  # what a bad TRL_VLM_FIXES_GDN_PREFILL_BACKEND raises (kept for importers)
 
 
 def selected_backend() -> str:
@@ -97,6 +98,14 @@ def kernel_gone_reason() -> str | None:
 scope = gated_deltanet_scope  # no engine without vLLM; untouched for a model without GDN layers
 
 
+def server_advice(argv: Sequence[str]) -> ServerAdvice:
+    """In vLLM's own server exec'd by ``trl vllm-serve``: the prefill backend as its flag, where the kernel is still
+    there and the command names no backend."""
+    if kernel_gone_reason() is not None or "--gdn-prefill-backend" in dict(command_options(argv)):
+        return ServerAdvice()
+    return ServerAdvice(flags=(f"--gdn-prefill-backend {selected_backend()}",))
+
+
 FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
@@ -114,4 +123,5 @@ FIX = Fix(
     scope=scope,
     applies=gated_deltanet_engine,
     protected=((Level.ENGINE_HANG, "backend", PROTECTED_BACKEND),),
+    server_advice=server_advice,
 )

@@ -57,11 +57,10 @@ class TrainerLoop:
         """
         from contextlib import nullcontext
 
-        import trl_vlm_fixes
         from trl_vlm_fixes.patches.reload_skip import rollout_scope
-        from trl_vlm_fixes.registry import WRAPPED_STATES
+        from trl_vlm_fixes.registry import WRAPPED_STATES, active
 
-        wrapped = trl_vlm_fixes.REGISTRY.fix_state("reload_skip")[0] in WRAPPED_STATES
+        wrapped = active().fix_state("reload_skip")[0] in WRAPPED_STATES
         with rollout_scope(self.generation) if wrapped else nullcontext():
             self.trl_generate()
             for _ in range(turns - 1):

@@ -93,8 +93,8 @@ def off_then_on(
     judge_bug: Callable[[Any], tuple[bool | None, str]],
     judge_fix: Callable[[Any], tuple[bool | None, str]],
 ) -> CheckResult:
-    from .. import REGISTRY, apply, revert
-    from ..registry import WRAPPED_STATES
+    from .. import apply, revert
+    from ..registry import WRAPPED_STATES, active
 
     started = time.perf_counter()
     revert()
@@ -102,7 +102,7 @@ def off_then_on(
         bug_present, bug_detail = judge_bug(measure())
     finally:
         apply()
-    state, _ = REGISTRY.fix_state(name)
+    state, _ = active().fix_state(name)
     fix_works: bool | None = None
     fix_detail = f"fix {state}"
     if state in WRAPPED_STATES:  # stepped aside for the last trainer built, not for this measurement
@@ -114,11 +114,11 @@ def off_then_on(
 
 def not_checked() -> dict[str, str]:
     """Every fix that declares no check, with the reason (no torch, TRL or vLLM imported)."""
-    from .. import REGISTRY
+    from ..registry import active
 
     return {
         name: NOT_CHECKED.get(name, "it declares no check (Fix.selftest)")
-        for name, fix in REGISTRY.fixes.items()
+        for name, fix in active().fixes.items()
         if fix.selftest is None
     }
 
@@ -126,9 +126,9 @@ def not_checked() -> dict[str, str]:
 def resolve_check(name: str) -> Callable[[SelftestContext, str], CheckResult]:
     """The function the fix ``name`` declares as its check (``Fix.selftest``, ``"module:function"``), imported now:
     ``CheckReferenceError`` naming the fix, its reference and what is missing where it does not resolve."""
-    from .. import REGISTRY
+    from ..registry import active
 
-    reference = REGISTRY.fixes[name].selftest
+    reference = active().fixes[name].selftest
     if reference is None:
         raise CheckReferenceError(f"fix {name} declares no self-test check (Fix.selftest)")
     module_name, _, attribute = reference.partition(":")
@@ -150,9 +150,9 @@ def resolve_check(name: str) -> Callable[[SelftestContext, str], CheckResult]:
 def selected(only: list[str] | None) -> list[str]:
     """The checks to run, in report order: every declared one, or those ``only`` names (``UnknownCheckError``
     naming the valid names otherwise). No torch, TRL or vLLM imported."""
-    from .. import REGISTRY
+    from ..registry import active
 
-    checks = [name for name, fix in REGISTRY.fixes.items() if fix.selftest is not None]
+    checks = [name for name, fix in active().fixes.items() if fix.selftest is not None]
     if only is None:
         return checks
     unknown = [name for name in only if name not in checks]
@@ -168,15 +168,17 @@ def selected(only: list[str] | None) -> list[str]:
 
 def collect(only: list[str] | None = None, progress: IO[str] | None = None) -> dict[str, Any]:
     """Run the checks (all, or those ``only`` names), writing a line per finished check to ``progress``."""
-    from .. import REGISTRY, __version__
+    from .. import __version__
+    from ..registry import active
     from ..status import build_status
 
+    registry = active()
     names = selected(only)
     resolved = {name: resolve_check(name) for name in names}  # every reference before minutes of work
-    REGISTRY.import_targets()
+    registry.import_targets()
     started = time.perf_counter()
     checks: dict[str, CheckResult] = {}
-    REGISTRY.scopes_paused = True  # its tiny trainers are not the user's: what the fixes act on stays as it was
+    registry.scopes_paused = True  # its tiny trainers are not the user's: what the fixes act on stays as it was
     try:
         with tempfile.TemporaryDirectory(prefix="trl_vlm_fixes_selftest_", ignore_cleanup_errors=True) as workdir:
             context = SelftestContext(workdir)
@@ -185,16 +187,16 @@ def collect(only: list[str] | None = None, progress: IO[str] | None = None) -> d
                 if progress is not None:
                     print(f"trl_vlm_fixes selftest: {name} done in {checks[name].seconds:.1f} s", file=progress)
     finally:
-        REGISTRY.scopes_paused = False
+        registry.scopes_paused = False
     failed = [name for name, check in checks.items() if check.fix_works is False]
-    status = build_status(REGISTRY, __version__)
+    status = build_status(registry, __version__)
     skipped = {name: "not run (--only)" for name in selected(None) if name not in names}
     return {
         "version": __version__,
         "versions": status["versions"],
         "families": list(FAMILIES),
         "fixes": {name: asdict(check) for name, check in checks.items()},
-        "not_checked": {name: reason for name in REGISTRY.fixes if (reason := {**not_checked(), **skipped}.get(name))},
+        "not_checked": {name: reason for name in registry.fixes if (reason := {**not_checked(), **skipped}.get(name))},
         "verdict": "fail" if failed else "ok",
         "failed": failed,
         "seconds": round(time.perf_counter() - started, 1),

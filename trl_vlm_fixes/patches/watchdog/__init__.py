@@ -64,6 +64,13 @@ def register_owner(generation: Any, trainer: Any) -> None:
     limits.restore(getattr(getattr(trainer, "args", None), "output_dir", None))
 
 
+def at_trainer_start(trainer: Any) -> None:
+    """Declared (``Fix.at_trainer_start``): a trainer with a vLLM generation owns it (``register_owner``)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None:
+        register_owner(generation, trainer)
+
+
 def generate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``VLLMGeneration.generate``: the engine (colocate) or server call inside it is watched, not the gathers."""
     floor = _floor()
@@ -116,4 +123,5 @@ FIX = Fix(
     settings=(RESUME,),
     switch_setting=SECONDS,
     applies=watched_calls,
+    at_trainer_start=at_trainer_start,
 )
