@@ -25,6 +25,10 @@ LOGP_MEAN = "sampling/sampling_logp_difference/mean"
 LOGP_MAX = "sampling/sampling_logp_difference/max"
 KEPT = "trl_vlm_fixes/sampling_kept_mass"
 COMPLETION = 48
+# A cut's runs: 16 tokens. Every cut keeps clearly less than the ban (top_k=20: 0.76 per token here), so 16 tokens put
+# TRL's weight far below what the assertions ask (mix: 2e-3), at a third of the interpreter's time; the ban alone
+# (0.9985 per token) needs COMPLETION's 48 to sit below 0.95.
+SHORT = 16
 
 # (name, generation_kwargs): the plugin's ban alone (vision_token_guard, on by default), and each cut and their mix
 SETTINGS = [
@@ -403,9 +407,10 @@ def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
     standin_engine: None,
     one_fix_off: Callable[[str], None],
 ) -> None:
-    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings))
+    length = COMPLETION if name == "ban" else SHORT
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings, max_completion_length=length))
     one_fix_off("sampling_parity")
-    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings))
+    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings, max_completion_length=length))
     # upstream: every token's weight is its kept share; over 48 tokens the sequence weight is far from 1 (measured
     # here: ban 0.93, top_k 2e-6, top_p 0.08, min_p 3e-6, mix 1e-8)
     assert upstream[IS_MEAN] < 0.95, upstream
@@ -416,8 +421,8 @@ def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
         assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
     assert with_fix[LOGP_MAX] < 1e-5, with_fix
     assert 0.0 < with_fix[KEPT] < 0.999, with_fix
-    # the upstream weight is the product of the kept shares: its log is about 48 x log(mean kept share)
-    assert math.log(upstream[IS_MEAN]) < 0.5 * COMPLETION * math.log(with_fix[KEPT])
+    # the upstream weight is the product of the kept shares: its log is about length x log(mean kept share)
+    assert math.log(upstream[IS_MEAN]) < 0.5 * length * math.log(with_fix[KEPT])
 
 
 def test_the_loss_gets_trls_own_old_log_probs_and_vllms_in_full_vocabulary_terms(
@@ -445,7 +450,8 @@ def test_the_loss_gets_trls_own_old_log_probs_and_vllms_in_full_vocabulary_terms
 
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", capture)
     monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", scores)
-    train_one_step(peaked_model_dir, tmp_path, {"top_k": 20, "top_p": 0.95}, off_policy_mask_threshold=0.5)
+    settings = {"off_policy_mask_threshold": 0.5, "max_completion_length": SHORT}
+    train_one_step(peaked_model_dir, tmp_path, {"top_k": 20, "top_p": 0.95}, **settings)
     output = outputs[0]
     mask = output["completion_mask"].bool()
     ratio = output["importance_sampling_ratio"]
@@ -472,7 +478,9 @@ def test_a_setting_it_cannot_model_leaves_trls_ratio_and_says_which(
     peaked_model_dir: Path, tmp_path: Path, standin_engine: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
-        trainer = train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}, repetition_penalty=1.1)
+        trainer = train_one_step(
+            peaked_model_dir, tmp_path, {"top_k": 20}, repetition_penalty=1.1, max_completion_length=SHORT
+        )
     assert logged(trainer)[IS_MEAN] < 0.6 and KEPT not in logged(trainer)
     lines = [r.getMessage() for r in caplog.records if "trl_vlm_fixes.sampling_parity: steps aside" in r.getMessage()]
     assert len(lines) == 1 and "repetition_penalty=1.1" in lines[0], lines
@@ -542,10 +550,11 @@ def test_server_mode_ratio_is_one_with_the_fix(
     monkeypatch.setattr(vllm_generation, "VLLMClient", StandInServer, raising=False)
     monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: True)
     text = Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in ("a", "bb", "ccc", "dddd")]})
-    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings, vllm_mode="server", dataset=text))
+    server = {"vllm_mode": "server", "dataset": text, "max_completion_length": SHORT}
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings, **server))
     assert all("<|image_pad|>" in r["generation_kwargs"]["bad_words"] for r in StandInServer.requests)
     one_fix_off("sampling_parity")
-    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings, vllm_mode="server", dataset=text))
+    upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings, **server))
     assert upstream[IS_MEAN] < 0.6, upstream
     assert abs(with_fix[IS_MEAN] - 1.0) < 1e-5 and abs(with_fix[IS_MIN] - 1.0) < 1e-5, with_fix
     assert with_fix[LOGP_MAX] < 1e-5
@@ -671,6 +680,7 @@ def test_the_off_policy_mask_compares_like_with_like(
 
     monkeypatch.setattr(GRPOTrainer, "get_off_policy_mask", staticmethod(recording))
     overrides: dict[str, Any] = {"off_policy_mask_threshold": 0.05, "vllm_importance_sampling_correction": correction}
+    overrides["max_completion_length"] = SHORT  # the mask reads the mean per token: the length does not matter
     overrides["reward_funcs"] = varied_reward  # every group of different completions has a negative advantage
     sampling = {"top_k": 5, "seed": None}  # one seed for every request would sample a group's two completions alike
     trainer = train_one_step(peaked_model_dir, tmp_path / "on", sampling, **overrides)
@@ -705,7 +715,7 @@ def test_a_sharded_output_layer_is_no_reason_to_step_aside_where_trls_logits_are
         monkeypatch.setattr(processed.OutputLayer, "__init__", lambda *a: pytest.fail("the weight was used"))
 
     monkeypatch.setattr(GRPOTrainer, "__init__", sharded)
-    with_fix = logged(train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}))
+    with_fix = logged(train_one_step(peaked_model_dir, tmp_path, {"top_k": 20}, max_completion_length=SHORT))
     for key in (IS_MIN, IS_MEAN, IS_MAX):
         assert abs(with_fix[key] - 1.0) < 1e-5, (key, with_fix)
     assert 0 < with_fix[KEPT] < 0.999

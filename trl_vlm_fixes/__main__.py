@@ -92,26 +92,32 @@ def main(argv: list[str] | None = None) -> int:
     from .registry import active
     from .status import render_table
 
+    config = None
+    if args.model is not None:  # read before TRL and vLLM are imported: a wrong path is said at once
+        from .model_facts import read_config
+
+        try:
+            config = read_config(args.model)
+        except (OSError, ValueError) as error:
+            print(f"trl_vlm_fixes status --model: cannot read {args.model}'s config: {error}", file=sys.stderr)
+            return 2
     active().import_targets()
     report = status()
-    if args.model is not None:
-        return _status_of_model(args, report)
+    if config is not None:
+        return _status_of_model(args, config, report)
     print(json.dumps(report, indent=2) if args.json else render_table(report))
     if args.strict and any(patch["state"] == "skipped" for patch in report["patches"].values()):
         return 1
     return 0
 
 
-def _status_of_model(args: argparse.Namespace, installed: dict[str, Any]) -> int:
-    """``status --model PATH``: each fix's verdict for that checkpoint and mode (the states already final)."""
+def _status_of_model(args: argparse.Namespace, config: dict[str, Any], installed: dict[str, Any]) -> int:
+    """``status --model PATH``: each fix's verdict for that checkpoint (its ``config``) and mode (the states already
+    final)."""
     from . import applicability
     from .status import render_applicability
 
-    try:
-        report = applicability(args.model, args.mode, args.sleep_mode)
-    except (OSError, ValueError) as error:
-        print(f"trl_vlm_fixes status --model: cannot read {args.model}'s config: {error}", file=sys.stderr)
-        return 2
+    report = {**applicability(config, args.mode, args.sleep_mode), "model": str(args.model)}
     keys = ("version", "activation", "versions", "validated")
     print(
         json.dumps({**{k: installed[k] for k in keys}, **report}, indent=2)
