@@ -619,7 +619,7 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
     from trl_vlm_fixes.selftest.fixtures import text_dataset
 
     batch = {"per_device_train_batch_size": 8, "num_generations": 2, "dataset": text_dataset()}  # 8 requests
-    batch["max_completion_length"] = 24  # the upstream weight is below 0.95 already; the interpreter is slow
+    batch["max_completion_length"] = SHORT  # the upstream weight is below 0.95 already; the interpreter is slow
     with_fix = logged(train_one_step(bf16_model_dir, tmp_path / "on", settings, **batch))
     one_fix_off("sampling_parity")
     upstream = logged(train_one_step(bf16_model_dir, tmp_path / "off", settings, **batch))
