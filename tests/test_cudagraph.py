@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -509,8 +510,10 @@ def test_a_model_without_gated_deltanet_layers_is_untouched_after_a_hang(
     with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"), protection.building_in(repeated):
         kwargs = dict(make_text_generation().llm.init_kwargs)
     assert "compilation_config" not in kwargs and "gdn_prefill_backend" not in kwargs
-    [line] = [r.getMessage() for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    [record] = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    line = record.getMessage()
     assert "exactly as upstream" in line and "no engine fix acts on this model" in line
+    assert record.levelno == logging.WARNING  # this start follows a hang, and nothing protects it: not a healthy run
 
 
 def test_a_trainer_built_after_a_hang_says_which_mode_and_why(
@@ -584,3 +587,69 @@ def test_the_server_engine_keeps_vllms_mode_unless_pinned(
     assert "cudagraph_mode=vLLM's own (not protected: trl vllm-serve reads no trainer's output_dir" in line
     with_setting("TRL_VLM_FIXES_CUDAGRAPH_MODE", "PIECEWISE")
     assert served()["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+
+
+def _engine_record(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    [record] = [r for r in caplog.records if "built the colocated vLLM engine" in r.getMessage()]
+    return record
+
+
+def test_an_engine_that_vllm_built_otherwise_than_asked_warns(
+    make_generation: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    reapply: Callable[[], None],
+) -> None:
+    """A pinned PIECEWISE that vLLM rewrites to NONE (it does for some option sets): the reading differs from what
+    the fix asked, so the engine line is a WARNING and one line names both values (INFO where it is built as asked:
+    test_the_built_mode_is_read_back_from_the_engine)."""
+    from trl_vlm_fixes.selftest import engine_standin
+
+    monkeypatch.setenv("TRL_VLM_FIXES_CUDAGRAPH_MODE", "piecewise")
+    reapply()  # settings are read at apply()
+    built_config = engine_standin.built_config
+
+    def rewritten(kwargs: dict[str, Any]) -> Any:
+        config = built_config(kwargs)
+        config.compilation_config.cudagraph_mode = SimpleNamespace(name="NONE")
+        return config
+
+    monkeypatch.setattr(engine_standin, "built_config", rewritten)
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+        make_generation()
+    assert _engine_record(caplog).levelno == logging.WARNING
+    mismatches = [r.getMessage() for r in caplog.records if "was asked" in r.getMessage()]
+    assert mismatches == [
+        "trl_vlm_fixes: vLLM built cudagraph_mode=NONE where cudagraph_mode=PIECEWISE was asked: the fix's setting "
+        "is not in effect"
+    ]
+
+
+@pytest.mark.parametrize("problem", ["unreadable served config", "reading raises"])
+def test_an_engine_build_the_fixes_cannot_judge_warns(
+    problem: str,
+    make_generation: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The served model's config cannot be read (no fix could decide), or the built engine's config cannot be read
+    back: the engine line is a WARNING, naming the problem."""
+    from trl_vlm_fixes import engine_args
+    from trl_vlm_fixes.selftest import engine_standin
+
+    if problem == "unreadable served config":
+        monkeypatch.setattr(engine_args, "served_model_config", lambda trainer, kwargs: None)
+        said = "the served model's config could not be read"
+    else:
+
+        class Unreadable:
+            @property
+            def compilation_config(self) -> Any:
+                raise RuntimeError("no config")
+
+        monkeypatch.setattr(engine_standin, "built_config", lambda kwargs: Unreadable())
+        said = "could not be read: RuntimeError('no config')"
+    with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
+        make_generation()
+    record = _engine_record(caplog)
+    assert record.levelno == logging.WARNING and said in record.getMessage(), record.getMessage()

@@ -411,8 +411,8 @@ def test_upstream_ratio_collapses_and_the_fix_makes_it_one(
     with_fix = logged(train_one_step(peaked_model_dir, tmp_path / "on", settings, max_completion_length=length))
     one_fix_off("sampling_parity")
     upstream = logged(train_one_step(peaked_model_dir, tmp_path / "off", settings, max_completion_length=length))
-    # upstream: every token's weight is its kept share; over 48 tokens the sequence weight is far from 1 (measured
-    # here: ban 0.93, top_k 2e-6, top_p 0.08, min_p 3e-6, mix 1e-8)
+    # upstream: every token's weight is its kept share; the sequence weight is far from 1 (measured here: the ban
+    # 0.93 over 48 tokens; at 48 tokens the cuts were top_k 2e-6, top_p 0.08, min_p 3e-6, mix 1e-8)
     assert upstream[IS_MEAN] < 0.95, upstream
     assert upstream[LOGP_MEAN] > 1e-3, upstream  # -log(kept share) per token: 1.6e-3 for the ban, ~0.3 for top_k
     assert KEPT not in upstream
@@ -613,7 +613,8 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
     one_fix_off: Callable[[str], None],
 ) -> None:
     """What a real run serves: bf16-grid logits (ties at the cut) on engine and trainer, and engine steps of 8
-    requests (vLLM's Triton kernel) ending in steps of fewer as sequences finish (its sort path upstream)."""
+    requests (vLLM's Triton kernel). Steps of fewer requests (vLLM's sort path upstream, the kernel with the
+    wrapper) are proven at unit level: test_sampling_rule.py's steps of 5 and the wrapper tests."""
     if reason := no_interpreted_kernel():
         pytest.skip(f"vLLM's kernel path is proven on vLLM 0.25.1 only, on the CPU: {reason}")
     from trl_vlm_fixes.selftest.fixtures import text_dataset

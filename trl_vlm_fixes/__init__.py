@@ -18,11 +18,15 @@ from .status import build_status
 from .switches import SwitchValueError
 
 __version__ = "0.2.0"
+# earlier names of SwitchValueError (a user's ``except trl_vlm_fixes.CudagraphModeError`` keeps working)
+CudagraphModeError = GdnPrefillBackendError = SwitchValueError
 # how the plugin was activated: "import" (the one-line import) or "launcher" (trl-vlm-fixes run, set by its bootstrap)
 ACTIVATION: str = globals().get("ACTIVATION", "import")
 __all__ = [
+    "CudagraphModeError",
     "ExpertLayoutError",
     "FixNotApplicableError",
+    "GdnPrefillBackendError",
     "SwitchValueError",
     "__version__",
     "applicability",

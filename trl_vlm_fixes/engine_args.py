@@ -209,9 +209,10 @@ def _construct(
         protection.agree_in_group(trainer, chosen or "no protected setting")
     built = engine(*args, **kwargs)
     # healthy (INFO): every fix that acts got its arguments and vLLM built what they ask, or no fix has work here.
-    # WARNING where something is wrong: an earlier run here hung (the engine is protected, as the trainer-start line
-    # says), the served model's config is unreadable (no fix could decide), or a reading below warns or fails
-    healthy = not build.protected_by and not (build.model_config is None and build.stepped_aside)
+    # WARNING where something is wrong: an earlier run here hung (protected or not: this start follows a hang), the
+    # served model's config is unreadable (no fix could decide), a reading below warns or fails, or vLLM built
+    # another value than a fix asked for
+    healthy = not build.protection.level and not (build.model_config is None and build.stepped_aside)
     readings, by_fix = [], {}
     for contribution in acting:
         reading, read = _read_back(contribution, built)
@@ -231,6 +232,9 @@ def _construct(
             for warning in warnings:
                 LOGGER.warning("%s", warning)
             healthy = healthy and not warnings
+    for mismatch in asked_but_not_built(build.changes, readings):
+        LOGGER.warning("%s", mismatch)
+        healthy = False
     with contextlib.suppress(TypeError):  # an engine that cannot be weakly referenced: no trainer-start reading
         _readings[built] = by_fix
     global last_engine_settings
@@ -240,6 +244,27 @@ def _construct(
         level = logging.INFO if healthy else logging.WARNING
         LOGGER.log(level, "%s built the %s %s", builder.caller, builder.engine, last_engine_settings)
     return built
+
+
+def asked_but_not_built(changes: list[str], readings: list[str]) -> list[str]:
+    """Where vLLM built another value than a fix asked for (vLLM rewrites some settings itself, e.g. a CUDA-graph mode
+    its other options rule out): one line each. ``changes``: ``name=value (why)``; a value that is not one word
+    (``vLLM's own ...``) asks for nothing in particular. ``readings``: ``name=value``, read from the built engine."""
+    built = dict(reading.split("=", 1) for reading in readings if "=" in reading)
+    lines = []
+    for change in changes:
+        name, _, rest = change.partition("=")
+        asked = rest.split(" (", 1)[0]
+        if name in built and " " not in asked and _value_name(built[name]) != _value_name(asked):
+            lines.append(
+                f"vLLM built {name}={built[name]} where {name}={asked} was asked: the fix's setting is not in effect"
+            )
+    return lines
+
+
+def _value_name(value: str) -> str:
+    """A setting's value as compared: an enum's member name (``MoEBackend.TRITON``), case aside."""
+    return value.rsplit(".", 1)[-1].lower()
 
 
 def _read_back(contribution: _Contribution, engine: Any) -> tuple[tuple[str, list[str]] | None, bool]:

@@ -132,9 +132,10 @@ def _asked_for(generation: Any) -> SamplingDistribution | str:
 def _engine_min_p_rule(generation: Any) -> str:
     """The min-p rule of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
     neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts at logit < max + log(min_p), V1 at
-    prob < min_p * max prob; its temperature, bias and log-softmax kernels compute what V1's functions compute
-    (``tests/test_v2_runner.py`` runs them in Triton's interpreter). The colocated engine's runner is read from its
-    config; a server's cannot be read from the trainer: V1's rule is kept, and one WARNING says so."""
+    prob < min_p * max prob; its temperature and log-softmax kernels compute what V1's functions compute in IEEE
+    float32 (``tests/test_v2_runner.py`` runs them in Triton's interpreter; on a GPU their last bit is not measured),
+    its bias and bad-words kernels set -inf or add in float32 as V1's do. The colocated engine's runner is read from
+    its config; a server's cannot be read from the trainer: V1's rule is kept, and one WARNING says so."""
     if getattr(generation, "mode", None) == "colocate":
         config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
         if getattr(config, "use_v2_model_runner", False) is True:
