@@ -148,8 +148,7 @@ def test_engine_hangs_at_changing_steps_reach_none_and_a_push_hang_keeps_it(
     """A fresh run keeps vLLM's own CUDA graphs; its engine wedges at step 1 (exit 75): the restart resumes with a
     PIECEWISE engine and Triton prefill, which wedges at step 2, another step: the next restart's engine is NONE (it
     was PIECEWISE: only a hang repeated at one step raised the level). That run's weight push then never returns (a
-    hang elsewhere than the engine): the start after it still builds NONE and Triton, though the user pinned the fast
-    settings (a pin is the least protection, never the most)."""
+    hang elsewhere than the engine): the level stays REPEATED_HANG."""
     out = tmp_path / "out"
     first = single(tiny_model_dir, tmp_path, {"WEDGE_STEP": "1"})
     assert first.returncode == 75, first.stderr[-3000:]
@@ -167,14 +166,13 @@ def test_engine_hangs_at_changing_steps_reach_none_and_a_push_hang_keeps_it(
     assert push.returncode == 75, push.stderr[-3000:]
     assert engine_arguments(tmp_path, 2) == ({"cudagraph_mode": "NONE"}, "triton") and built_mode(tmp_path, 2) == "NONE"
     assert state(out)["hangs"][-1]["kind"] == "sync_weights" and state(out)["level"] == "REPEATED_HANG"
-
-    fast = {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "TRL_VLM_FIXES_GDN_PREFILL_BACKEND": "flashinfer"}
-    restart = single(tiny_model_dir, tmp_path, {**fast, "BUILD_ONLY": "1"})
-    assert restart.returncode == 0, restart.stderr[-3000:]
-    assert engine_arguments(tmp_path, 3) == ({"cudagraph_mode": "NONE"}, "triton")
-    assert built_mode(tmp_path, 3) == "NONE"
-    why = f"engine hangs recorded in {out / STATE} (at steps 1, 2): REPEATED_HANG"
-    assert f"cudagraph=applied (cudagraph_mode=NONE (protected: {why}))" in restart.stderr
+    # A start after these, with the fast settings pinned, still builds NONE and Triton (a pin is the least protection,
+    # never the most): tests/test_cudagraph.py::test_the_engine_gets_the_protection_its_output_dir_asks_for (every
+    # pinned mode against every level), tests/test_gdn_prefill.py::
+    # test_a_selected_flashinfer_prefill_gives_way_to_triton_after_an_engine_hang, and the trainer-start line of a
+    # protected start,
+    # tests/test_cudagraph.py::test_a_trainer_built_after_a_hang_says_which_mode_and_why (a fourth process here was
+    # removed for CI's time).
 
 
 # validated stack only (CI time): its decision (protection state, resume choice) is the plugin's own; on the newest
