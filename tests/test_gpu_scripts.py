@@ -224,3 +224,17 @@ def test_sampler_path_script_dry_run(tmp_path: Path) -> None:
     assert results and all(row["wrapped_equals_rule"] for row in results)
     assert {row["batch"] for row in results} >= {1, 8}
     assert all(row["rows_whose_kept_set_differs_from_vllms"] == 0 for row in results if row["batch"] >= 8)
+
+
+def test_v2_sampler_kernels_script_dry_run(tmp_path: Path) -> None:
+    """V2's sampling kernels (interpreted here) against the trainer: every row finite, V2's min-p rule within 1e-6 of
+    the engine on every setting, V1's rule off at the boundary rows the script builds."""
+    report, stdout = _run(GPU / "v2_sampler_kernels.py", tmp_path / "v2.json", "--dry-run")
+    [result] = report["results"]
+    assert result["rows"] == 8 and len(result["settings"]) >= 5
+    for row in result["settings"]:
+        assert row["rows_not_finite"] == 0 and row["logit_rule_max"] < 1e-6, row
+    assert result["boundary"]["rows"] > 0 and result["boundary"]["logit_rule_max"] < 1e-6
+    assert result["boundary"]["probability_rule_max"] > 1e-4, result["boundary"]
+    assert all(u["max_ulps"] == 0 for u in result["temperature_ulps"])  # the interpreter divides as torch does
+    assert "min-p boundary rows" in stdout

@@ -14,12 +14,7 @@ and those commute with each other (read from vLLM's source).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import re
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,38 +28,24 @@ from trl_vlm_fixes.patches.sampling_parity.distribution import (
     SamplingDistribution,
 )
 from trl_vlm_fixes.patches.sampling_parity.processed import VllmSteps
+from trl_vlm_fixes.selftest import v2_kernels
 
-V2_SAMPLE = "vllm.v1.worker.gpu.sample"
 ROWS = 32  # a colocated rank's decode step (16-64 sequences)
 VOCABULARY = 4096
-_TRITON_IMPORT = re.compile(r"^from vllm\.triton_utils import [^\n]+$", re.MULTILINE)
-_REAL_TRITON = "import triton\nimport triton.language as tl\nHAS_TRITON = True\ntldevice = None"
-
-
-def _v2_module(name: str) -> dict[str, Any]:
-    """One of V2's sampling modules, its source executed with the real triton (vLLM's ``triton_utils`` gives
-    placeholders without a GPU driver), its kernels decorated in interpreter mode."""
-    try:
-        spec = importlib.util.find_spec(f"{V2_SAMPLE}.{name}")
-        import triton  # noqa: F401
-    except ImportError as error:
-        pytest.skip(f"vLLM's V2 sampling modules or triton are not importable here: {error}")
-    if spec is None or spec.origin is None:
-        pytest.skip(f"this vLLM has no {V2_SAMPLE}.{name}")
-    source = Path(spec.origin).read_text()
-    assert len(_TRITON_IMPORT.findall(source)) == 1, f"{spec.origin}: its triton import changed"
-    source = _TRITON_IMPORT.sub(_REAL_TRITON, source)
-    path = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_v2_{os.getpid()}_{name}.py"  # the interpreter re-reads it
-    path.write_text(source)
-    namespace: dict[str, Any] = {"__name__": f"trl_vlm_fixes_v2_{name}", "__file__": str(path)}
-    with kernel_copy.interpreting():
-        exec(compile(source, str(path), "exec"), namespace)  # vLLM's own source
-    return namespace
 
 
 @pytest.fixture(scope="module")
 def v2() -> SimpleNamespace:
-    return SimpleNamespace(gumbel=_v2_module("gumbel"), min_p=_v2_module("min_p"), logprob=_v2_module("logprob"))
+    """V2's kernels from vLLM's own source, in Triton's interpreter (``selftest/v2_kernels.py``)."""
+    try:
+        kernels = v2_kernels.kernels(on_gpu=False)
+    except v2_kernels.V2Unavailable as reason:
+        pytest.skip(str(reason))
+    return SimpleNamespace(
+        gumbel={"apply_temperature": kernels.apply_temperature},
+        min_p={"apply_min_p": kernels.apply_min_p},
+        logprob={"compute_token_logprobs": kernels.compute_token_logprobs},
+    )
 
 
 def _bf16_rows(seed: int) -> torch.Tensor:

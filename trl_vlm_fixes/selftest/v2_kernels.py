@@ -1,0 +1,62 @@
+"""vLLM's V2 model runner's sampling kernels (``vllm/v1/worker/gpu/sample/``) where they can run: vLLM's own modules on
+a GPU; on a machine without one, their source executed with the real triton in Triton's interpreter (vLLM's
+``triton_utils`` gives placeholders without a GPU driver), as ``kernel_copy`` runs its top-k/top-p kernel. For the
+tests and the GPU record of what V2 computes against what the trainer computes (``tests/test_v2_runner.py``,
+``benchmarks/gpu/v2_sampler_kernels.py``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from ..patches.sampling_parity import kernel_copy
+
+V2_SAMPLE = "vllm.v1.worker.gpu.sample"
+MODULES = ("gumbel", "min_p", "logprob")  # the temperature, min-p and log-softmax kernels
+_TRITON_IMPORT = re.compile(r"^from vllm\.triton_utils import [^\n]+$", re.MULTILINE)
+_REAL_TRITON = "import triton\nimport triton.language as tl\nHAS_TRITON = True\ntldevice = None"
+
+
+class V2Unavailable(RuntimeError):
+    """This vLLM has no V2 sampling modules, or neither a GPU nor triton's interpreter can run them."""
+
+
+def interpreted_module(name: str) -> dict[str, Any]:
+    """One of V2's sampling modules, its source executed with the real triton, its kernels decorated in interpreter
+    mode (run them inside ``kernel_copy.interpreting()``)."""
+    try:
+        spec = importlib.util.find_spec(f"{V2_SAMPLE}.{name}")
+        import triton  # noqa: F401 - the interpreter is triton's
+    except ImportError as error:
+        raise V2Unavailable(f"vLLM's V2 sampling modules or triton are not importable here: {error}") from error
+    if spec is None or spec.origin is None:
+        raise V2Unavailable(f"this vLLM has no {V2_SAMPLE}.{name}")
+    source = Path(spec.origin).read_text()
+    if len(_TRITON_IMPORT.findall(source)) != 1:
+        raise V2Unavailable(f"{spec.origin}: its triton import is not the one line this copy replaces")
+    source = _TRITON_IMPORT.sub(_REAL_TRITON, source)
+    path = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_v2_{os.getpid()}_{name}.py"  # the interpreter re-reads it
+    path.write_text(source)
+    namespace: dict[str, Any] = {"__name__": f"trl_vlm_fixes_v2_{name}", "__file__": str(path)}
+    with kernel_copy.interpreting():
+        exec(compile(source, str(path), "exec"), namespace)  # vLLM's own source
+    return namespace
+
+
+def kernels(on_gpu: bool) -> SimpleNamespace:
+    """``apply_temperature``, ``apply_min_p``, ``compute_token_logprobs``: vLLM's own on a GPU, else interpreted."""
+    if on_gpu:
+        modules = {name: vars(importlib.import_module(f"{V2_SAMPLE}.{name}")) for name in MODULES}
+    else:
+        modules = {name: interpreted_module(name) for name in MODULES}
+    return SimpleNamespace(
+        apply_temperature=modules["gumbel"]["apply_temperature"],
+        apply_min_p=modules["min_p"]["apply_min_p"],
+        compute_token_logprobs=modules["logprob"]["compute_token_logprobs"],
+    )
