@@ -104,6 +104,13 @@ run_suite() {  # $1: the virtual environment, $2: the pytest marker expression; 
   # selects nothing is a broken run, never a green one
   (cd "$stage" && "$1/bin/python" -m pytest -n 3 --dist worksteal -p no:cacheprovider --durations=25 -m "$2" "${@:3}")
 }
+await_background() {  # $1: a background job's pid, $2: its log (printed, removed), $3: what it did; fails the run
+  local status=0
+  wait "$1" || status=$?
+  cat "$2" >&2
+  rm -f "$2"
+  [ "$status" = 0 ] || { echo "scripts/test.sh: $3 failed ($status)" >&2; exit 1; }
+}
 # the newest stack's environment is built while the validated stack's tests run (pip waits on the disk and the
 # registry, the tests mostly on subprocesses): its log is printed when it is needed
 newest_setup=""
@@ -121,11 +128,7 @@ stage "install (validated stack)"
 if [ "${GPU_SCRIPTS:-0}" = 1 ]; then validated_marks=""; else validated_marks="not gpu_scripts"; fi
 run_suite "$root/.venv" "$validated_marks" "$@"
 stage "ruff and mypy (run beside the tests above)"
-lint_status=0
-wait "$lint" || lint_status=$?
-cat "$lint_log" >&2
-rm -f "$lint_log"
-[ "$lint_status" = 0 ] || { echo "scripts/test.sh: ruff or mypy failed ($lint_status)" >&2; exit 1; }
+await_background "$lint" "$lint_log" "ruff or mypy"
 if [ "$latest" != "none" ]; then
   if [ "${LATEST_TRL_ON_VALIDATED:-0}" = 1 ]; then
     stage "environment (TRL $latest)"
@@ -133,11 +136,7 @@ if [ "$latest" != "none" ]; then
     run_suite "$root/.venv-trl-latest" "not stack_independent" "$@"
   fi
   stage "environment (TRL $latest, transformers $newest_transformers, vLLM $newest_vllm)"
-  newest_status=0
-  wait "$newest_setup" || newest_status=$?
-  cat "$newest_log" >&2
-  rm -f "$newest_log"
-  [ "$newest_status" = 0 ] || { echo "scripts/test.sh: the newest stack's environment failed ($newest_status)" >&2; exit 1; }
+  await_background "$newest_setup" "$newest_log" "the newest stack's environment"
   run_suite "$root/.venv-newest" "not stack_independent" "$@"
 fi
 stage done
