@@ -113,9 +113,14 @@ def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def _said(i: Import) -> str:
+    """One import, as a line of a failure message."""
+    return f"{i.importer} (line {i.line}{', in a function' if i.deferred else ''}) imports {i.imported}"
+
+
 def harness_imports_outside_the_harness(root: Path) -> list[str]:
     return [
-        f"{i.importer} (line {i.line}{', in a function' if i.deferred else ''}) imports {i.imported}"
+        _said(i)
         for i in imports_of(root)
         if _under(i.imported, HARNESS)
         and not _under(i.importer, HARNESS)
@@ -126,7 +131,7 @@ def harness_imports_outside_the_harness(root: Path) -> list[str]:
 def core_imports_of_fixes(root: Path) -> list[str]:
     """The imports of a module under ``patches/`` by a core module (neither a fix nor the harness), as lines."""
     return [
-        f"{i.importer} (line {i.line}{', in a function' if i.deferred else ''}) imports {i.imported}"
+        _said(i)
         for i in imports_of(root)
         if _under(i.imported, FIXES)
         and not _under(i.importer, FIXES)

@@ -38,14 +38,9 @@ VOCABULARY = 4096
 def v2() -> SimpleNamespace:
     """V2's kernels from vLLM's own source, in Triton's interpreter (``selftest/v2_kernels.py``)."""
     try:
-        kernels = v2_kernels.kernels(on_gpu=False)
+        return v2_kernels.kernels(on_gpu=False)
     except v2_kernels.V2Unavailable as reason:
         pytest.skip(str(reason))
-    return SimpleNamespace(
-        gumbel={"apply_temperature": kernels.apply_temperature},
-        min_p={"apply_min_p": kernels.apply_min_p},
-        logprob={"compute_token_logprobs": kernels.compute_token_logprobs},
-    )
 
 
 def _bf16_rows(seed: int) -> torch.Tensor:
@@ -64,10 +59,10 @@ def _v2_engine_step(
     work = torch.empty_like(logits, dtype=torch.float32).copy_(logits)  # V2: "Copy logits to a new FP32 tensor"
     with kernel_copy.interpreting():
         if distribution.temperature not in (0.0, 1.0):  # SamplingStates.apply_temperature skips the kernel then
-            v2.gumbel["apply_temperature"](work, mapping, torch.full((rows,), distribution.temperature))
+            v2.apply_temperature(work, mapping, torch.full((rows,), distribution.temperature))
         finite = int(torch.isfinite(work).sum())
         if distribution.min_p > 0.0:
-            v2.min_p["apply_min_p"](work, mapping, torch.full((rows,), distribution.min_p))
+            v2.apply_min_p(work, mapping, torch.full((rows,), distribution.min_p))
         cut_by_min_p = finite - int(torch.isfinite(work).sum())
     k = torch.full((rows,), distribution.top_k, dtype=torch.int32) if distribution.top_k else None
     p = torch.full((rows,), distribution.top_p) if distribution.top_p < 1.0 else None
@@ -75,7 +70,7 @@ def _v2_engine_step(
     generator = torch.Generator().manual_seed(seed)
     ids = torch.multinomial(torch.softmax(work, dim=-1), 1, generator=generator)
     with kernel_copy.interpreting():
-        logprobs = v2.logprob["compute_token_logprobs"](work, ids)
+        logprobs = v2.compute_token_logprobs(work, ids)
     return ids, logprobs.squeeze(1), cut_by_min_p
 
 
@@ -109,42 +104,20 @@ def test_v2_runners_kernels_give_the_trainers_processed_log_prob(v2: SimpleNames
     assert (engine - trainer).abs().max().item() < 1e-6
 
 
-def _boundary_rows(min_p: float, temperature: float) -> torch.Tensor:
-    """Rows whose token 1 sits where V1's min-p rule and V2's disagree in float32 (each row: random tokens, token 0
-    the largest, token 1's logit walked over the 512 float32 values around V2's threshold; about one of them is
-    such a value)."""
-    log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float32))
-    found = []
-    for seed in range(8 * ROWS):
-        row = torch.randn(VOCABULARY, generator=torch.Generator().manual_seed(seed)) * 2.0
-        row[0] = 8.0  # the largest logit
-        threshold = torch.tensor(float((8.0 / temperature + log_min_p) * temperature), dtype=torch.float32)
-        steps = torch.arange(-256, 256, dtype=torch.int32)
-        candidates = row.repeat(len(steps), 1)
-        candidates[:, 1] = (threshold.view(torch.int32) + steps).view(torch.float32)  # consecutive float32 values
-        scaled = candidates / temperature
-        v2_cut = scaled[:, 1] < scaled.amax(dim=-1) + log_min_p
-        probs = torch.softmax(scaled, dim=-1)
-        v1_cut = probs[:, 1] < probs.amax(dim=-1) * min_p
-        found += [candidates[index] for index in (v1_cut != v2_cut).nonzero().squeeze(1)[:1]]
-        if len(found) == ROWS:
-            return torch.stack(found)
-    raise AssertionError(f"only {len(found)} rows where V1's and V2's min-p rules disagree were found")
-
-
 def test_v2_runners_min_p_rule_is_not_v1s_at_the_boundary_token(v2: SimpleNamespace) -> None:
     """At the boundary token the trainer that applied V1's min-p to a V2 engine's step is off by the token's share
     (the bug), and exact with V2's rule (the fix): every row sampled token 1's neighbours, token 1 itself decides."""
     min_p, temperature = 0.05, 0.8
-    logits = _boundary_rows(min_p, temperature)
+    logits = v2_kernels.min_p_boundary_rows(ROWS, VOCABULARY, min_p, temperature)
+    assert len(logits) == ROWS, f"only {len(logits)} rows where V1's and V2's min-p rules disagree were found"
     fixed = SamplingDistribution(temperature=temperature, min_p=min_p, min_p_rule=LOGIT_MIN_P)
     ids = torch.zeros(ROWS, 1, dtype=torch.long)  # token 0 (the largest) is kept under both rules: it shows the cut
     mapping = torch.arange(ROWS, dtype=torch.int32)
     work = logits.clone()
     with kernel_copy.interpreting():
-        v2.gumbel["apply_temperature"](work, mapping, torch.full((ROWS,), temperature))
-        v2.min_p["apply_min_p"](work, mapping, torch.full((ROWS,), min_p))
-        engine = v2.logprob["compute_token_logprobs"](work, ids).squeeze(1)
+        v2.apply_temperature(work, mapping, torch.full((ROWS,), temperature))
+        v2.apply_min_p(work, mapping, torch.full((ROWS,), min_p))
+        engine = v2.compute_token_logprobs(work, ids).squeeze(1)
     v1_rule = _trainer(logits, ids, SamplingDistribution(temperature=temperature, min_p=min_p))
     v2_rule = _trainer(logits, ids, fixed)
     assert (engine - v1_rule).abs().max().item() > 1e-4  # the bug: V1's rule on a V2 engine's step

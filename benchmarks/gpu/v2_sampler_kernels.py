@@ -109,27 +109,6 @@ def temperature_ulps(engine: Engine, logits: torch.Tensor, temperature: float) -
     return {"temperature": temperature, "elements_differing": int((ulps > 0).sum()), "max_ulps": int(ulps.max())}
 
 
-def boundary_rows(rows: int, vocabulary: int, min_p: float, temperature: float, device: torch.device) -> torch.Tensor:
-    """Rows whose token 1 sits where V1's and V2's min-p rules disagree (torch's arithmetic on this device)."""
-    log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float32, device=device))
-    found: list[torch.Tensor] = []
-    for seed in range(8 * rows):
-        row = (torch.randn(vocabulary, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)
-        row[0] = 8.0
-        threshold = ((8.0 / temperature + log_min_p) * temperature).reshape(1)
-        steps = torch.arange(-256, 256, dtype=torch.int32, device=device)
-        candidates = row.repeat(len(steps), 1)
-        candidates[:, 1] = (threshold.view(torch.int32) + steps).view(torch.float32)
-        scaled = candidates / temperature
-        v2_cut = scaled[:, 1] < scaled.amax(dim=-1) + log_min_p
-        probs = torch.softmax(scaled, dim=-1)
-        v1_cut = probs[:, 1] < probs.amax(dim=-1) * min_p
-        found += [candidates[index] for index in (v1_cut != v2_cut).nonzero().squeeze(1)[:1]]
-        if len(found) == rows:
-            break
-    return torch.stack(found) if found else torch.empty(0, vocabulary, device=device)
-
-
 def measure(rows: int, vocabulary: int, device: torch.device) -> dict[str, Any]:
     engine = Engine(device)
     logits = bf16_rows(rows, vocabulary, 1, device)
@@ -149,7 +128,7 @@ def measure(rows: int, vocabulary: int, device: torch.device) -> dict[str, Any]:
             row[f"{rule}_rule_mean"] = float(gap.mean())
         record["settings"].append(row)
     min_p, temperature = 0.05, 0.8
-    edge = boundary_rows(rows, vocabulary, min_p, temperature, device)
+    edge = v2_kernels.min_p_boundary_rows(rows, vocabulary, min_p, temperature, device)
     if len(edge):
         top = torch.zeros(len(edge), 1, dtype=torch.long, device=device)
         work = engine.temperature(edge, temperature)

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from ..patches.sampling_parity import kernel_copy
 
 V2_SAMPLE = "vllm.v1.worker.gpu.sample"
@@ -60,3 +62,28 @@ def kernels(on_gpu: bool) -> SimpleNamespace:
         apply_min_p=modules["min_p"]["apply_min_p"],
         compute_token_logprobs=modules["logprob"]["compute_token_logprobs"],
     )
+
+
+def min_p_boundary_rows(
+    rows: int, vocabulary: int, min_p: float, temperature: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Up to ``rows`` rows whose token 1 sits where V1's min-p rule (prob < min_p * max prob) and V2's (logit < max +
+    log(min_p)) disagree, by torch's float32 arithmetic on ``device``: each row random tokens, token 0 the largest,
+    token 1's logit walked over the 512 float32 values around V2's threshold (about one of them is such a value)."""
+    log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float32, device=device))
+    found: list[torch.Tensor] = []
+    for seed in range(8 * rows):
+        row = (torch.randn(vocabulary, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)
+        row[0] = 8.0  # the largest logit
+        threshold = ((8.0 / temperature + log_min_p) * temperature).reshape(1)
+        steps = torch.arange(-256, 256, dtype=torch.int32, device=device)
+        candidates = row.repeat(len(steps), 1)
+        candidates[:, 1] = (threshold.view(torch.int32) + steps).view(torch.float32)  # consecutive float32 values
+        scaled = candidates / temperature
+        v2_cut = scaled[:, 1] < scaled.amax(dim=-1) + log_min_p
+        probs = torch.softmax(scaled, dim=-1)
+        v1_cut = probs[:, 1] < probs.amax(dim=-1) * min_p
+        found += [candidates[index] for index in (v1_cut != v2_cut).nonzero().squeeze(1)[:1]]
+        if len(found) == rows:
+            break
+    return torch.stack(found) if found else torch.empty(0, vocabulary, device=device)
