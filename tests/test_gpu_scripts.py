@@ -227,14 +227,15 @@ def test_sampler_path_script_dry_run(tmp_path: Path) -> None:
 
 
 def test_v2_sampler_kernels_script_dry_run(tmp_path: Path) -> None:
-    """V2's sampling kernels (interpreted here) against the trainer: every row finite, V2's min-p rule within 1e-6 of
-    the engine on every setting, V1's rule off at the boundary rows the script builds."""
+    """V2's sampling kernels (interpreted here) against the trainer: every row finite, V2's steps within 1e-6 of the
+    engine on every setting, V1's off at the boundary rows the script builds."""
     report, stdout = _run(GPU / "v2_sampler_kernels.py", tmp_path / "v2.json", "--dry-run")
     [result] = report["results"]
     assert result["rows"] == 8 and len(result["settings"]) >= 5
     for row in result["settings"]:
-        assert row["rows_not_finite"] == 0 and row["logit_rule_max"] < 1e-6, row
-    assert result["boundary"]["rows"] > 0 and result["boundary"]["logit_rule_max"] < 1e-6
-    assert result["boundary"]["probability_rule_max"] > 1e-4, result["boundary"]
-    assert all(u["max_ulps"] == 0 for u in result["temperature_ulps"])  # the interpreter divides as torch does
+        assert row["rows_not_finite"] == 0 and row["v2_steps_max"] < 1e-6, row
+    assert result["boundary"]["rows"] > 0 and result["boundary"]["v2_steps_max"] < 1e-6
+    assert result["boundary"]["v1_steps_max"] > 1e-4, result["boundary"]
+    for ulps in result["temperature_ulps"]:  # the interpreter divides as IEEE division does, the trainer as it
+        assert ulps["max_ulps"] == 0 and ulps["trainer_elements_differing"] == 0, ulps
     assert "min-p boundary rows" in stdout

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +63,63 @@ def kernels(on_gpu: bool) -> SimpleNamespace:
         apply_min_p=modules["min_p"]["apply_min_p"],
         compute_token_logprobs=modules["logprob"]["compute_token_logprobs"],
     )
+
+
+TemperatureKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class Engine:
+    """One V2 engine step's arithmetic (``Sampler.sample`` then ``compute_token_logprobs``): a float32 copy, the
+    temperature kernel, the min-p kernel, the top-k/top-p every routed engine step takes (``vllm_rule``), a draw, the
+    sampled token's processed log-prob. vLLM's kernels compiled on a GPU, interpreted on a CPU; ``temperature_kernel``
+    replaces V2's (a stand-in for what it computes compiled, where that is not what the interpreter computes)."""
+
+    def __init__(self, device: torch.device, temperature_kernel: TemperatureKernel | None = None) -> None:
+        self.on_gpu = device.type == "cuda"
+        self.kernels = kernels(self.on_gpu)
+        self.temperature_kernel = temperature_kernel or self.kernels.apply_temperature
+
+    def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        if self.on_gpu:
+            return function(*args)
+        with kernel_copy.interpreting():
+            return function(*args)
+
+    def temperature(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """A float32 copy ("Copy logits to a new FP32 tensor") at ``temperature``."""
+        work = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        if temperature not in (0.0, 1.0):  # SamplingStates.apply_temperature skips the kernel then
+            temperatures = torch.full((logits.size(0),), temperature, device=logits.device)
+            self.run(self.temperature_kernel, work, _mapping(work), temperatures)
+        return work
+
+    def min_p(self, work: torch.Tensor, min_p: float) -> int:
+        """The min-p kernel, in place: how many tokens it cut."""
+        finite = int(torch.isfinite(work).sum())
+        self.run(self.kernels.apply_min_p, work, _mapping(work), torch.full((work.size(0),), min_p, device=work.device))
+        return finite - int(torch.isfinite(work).sum())
+
+    def step(self, logits: torch.Tensor, distribution: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(sampled ids [rows, 1], their processed log-probs [rows], tokens the min-p kernel cut)."""
+        from ..patches.sampling_parity import vllm_rule
+
+        rows, device = logits.size(0), logits.device
+        work = self.temperature(logits, distribution.temperature)
+        cut_by_min_p = self.min_p(work, distribution.min_p) if distribution.min_p > 0.0 else 0
+        k = torch.full((rows,), distribution.top_k, dtype=torch.int32, device=device) if distribution.top_k else None
+        p = torch.full((rows,), distribution.top_p, device=device) if distribution.top_p < 1.0 else None
+        work = vllm_rule.top_k_top_p(work, k, p)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.multinomial(torch.softmax(work, dim=-1), 1, generator=generator)
+        return ids, self.logprobs(work, ids), cut_by_min_p
+
+    def logprobs(self, work: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.run(self.kernels.compute_token_logprobs, work, ids).squeeze(1)
+
+
+def _mapping(work: torch.Tensor) -> torch.Tensor:
+    """Request i's state is row i."""
+    return torch.arange(work.size(0), dtype=torch.int32, device=work.device)
 
 
 def min_p_boundary_rows(

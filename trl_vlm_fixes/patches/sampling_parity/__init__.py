@@ -58,8 +58,8 @@ from ...logs import fix_logger
 from ...plan_rules import vllm_logprobs_compared
 from ...source_shape import function_tree, string_constants
 from .distribution import (
-    LOGIT_MIN_P,
-    PROBABILITY_MIN_P,
+    V1_RUNNER,
+    V2_RUNNER,
     SamplingDistribution,
     effective_settings,
     read_distribution,
@@ -124,39 +124,47 @@ def _asked_for(generation: Any) -> SamplingDistribution | str:
     processing = getattr(generation, "processing_class", None)
     tokenizer = getattr(processing, "tokenizer", processing)
     distribution = read_distribution(effective_settings(generation), tokenizer)
-    if isinstance(distribution, str) or distribution.min_p <= 0.0:
+    if isinstance(distribution, str) or not _runner_matters(distribution):
         return distribution
-    return replace(distribution, min_p_rule=_engine_min_p_rule(generation))
+    return replace(distribution, runner=_engine_runner(generation, distribution))
 
 
-def _engine_min_p_rule(generation: Any) -> str:
-    """The min-p rule of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
-    neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts at logit < max + log(min_p), V1 at
-    prob < min_p * max prob; its temperature and log-softmax kernels compute what V1's functions compute in IEEE
-    float32 (``tests/test_v2_runner.py`` runs them in Triton's interpreter; on a GPU their last bit is not measured),
-    its bias and bad-words kernels set -inf or add in float32 as V1's do. The colocated engine's runner is read from
-    its config; a server's cannot be read from the trainer: V1's rule is kept, and one WARNING says so."""
+def _runner_matters(distribution: SamplingDistribution) -> bool:
+    """The V2 runner's steps differ from V1's in what the trainer reproduces: its min-p rule, and its temperature
+    kernel (compiled on CUDA, not IEEE division) wherever the cut is approximate or min-p's boundary moves with it."""
+    return distribution.min_p > 0.0 or (distribution.temperature != 1.0 and distribution.truncates)
+
+
+def _engine_runner(generation: Any, distribution: SamplingDistribution) -> str:
+    """The runner of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
+    neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts min-p at logit < max + log(min_p),
+    V1 at prob < min_p * max prob, and divides by the temperature in a Triton kernel (approximate division on CUDA:
+    ``temperature.py``); its log-softmax kernel computes what V1's does within float32's last bits, its bias and
+    bad-words kernels set -inf or add in float32 as V1's do (``tests/test_v2_runner.py`` runs them in Triton's
+    interpreter, ``benchmarks/gpu/v2_sampler_kernels.py`` compiled). The colocated engine's runner is read from its
+    config; a server's cannot be read from the trainer: V1's steps are kept, and one WARNING says so."""
     if getattr(generation, "mode", None) == "colocate":
         config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
         if getattr(config, "use_v2_model_runner", False) is True:
             warn_once(
                 ("sampling_parity", "V2 model runner"),
-                "the colocated engine runs vLLM's V2 model runner: the trainer cuts min-p by its rule (logit < max "
-                "logit + log(min_p))",
+                "the colocated engine runs vLLM's V2 model runner: the trainer applies its steps (its temperature "
+                "kernel, its min-p rule: logit < max logit + log(min_p))",
                 logger=LOGGER,
                 level=logging.INFO,
             )
-            return LOGIT_MIN_P
-        return PROBABILITY_MIN_P
+            return V2_RUNNER
+        return V1_RUNNER
     warn_once(
-        ("sampling_parity", "server min-p rule"),
-        "min_p is set and TRL's server engine's model runner cannot be read from the trainer: the trainer cuts by "
-        "vLLM's V1 rule (prob < min_p * max prob); vLLM's V2 runner (0.25.1's default for models neither hybrid nor "
-        "MoE, every model's from 0.29) cuts at logit < max + log(min_p), which differs at the boundary token. Start "
-        "the server with VLLM_USE_V2_MODEL_RUNNER=0 to make the ratio exact there.",
+        ("sampling_parity", "server runner"),
+        f"{distribution.describe()} and TRL's server engine's model runner cannot be read from the trainer: the "
+        "trainer applies vLLM's V1 sampler's steps; vLLM's V2 runner (0.25.1's default for models neither hybrid nor "
+        "MoE, every model's from 0.29) cuts min-p at logit < max + log(min_p) and divides by the temperature in a "
+        "kernel of its own, which moves the min-p boundary token and the approximate top-p cut. Start the server "
+        "with VLLM_USE_V2_MODEL_RUNNER=0 to make the ratio exact there.",
         logger=LOGGER,
     )
-    return PROBABILITY_MIN_P
+    return V1_RUNNER
 
 
 def _logprobs_mode(generation: Any) -> str | None:

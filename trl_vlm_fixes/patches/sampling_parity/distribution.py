@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _SAMPLING_EPS = 1e-5  # vLLM: below this temperature a request is greedy
-# the engine's min-p rule (``SamplingDistribution.min_p_rule``): vLLM's V1 sampler, its V2 model runner
-PROBABILITY_MIN_P = "probability"
-LOGIT_MIN_P = "logit"
+# the engine's sampler (``SamplingDistribution.runner``): vLLM's V1 sampler, or its V2 model runner's kernels
+V1_RUNNER = "v1"
+V2_RUNNER = "v2"
 # SamplingParams fields that do not change which token is sampled or its processed log-probability
 _NEUTRAL = frozenset(
     {
@@ -71,9 +71,14 @@ class SamplingDistribution:
     bad_word_ids: tuple[int, ...] = ()  # the one-token bad words among them (vLLM bans them with apply_bad_words)
     biases: tuple[tuple[int, float], ...] = ()  # finite logit_bias, added before the temperature
     allowed: tuple[int, ...] | None = None  # allowed_token_ids: every other token is banned
-    # the engine's min-p rule: V1's ``MinPLogitsProcessor`` (PROBABILITY_MIN_P: prob < min_p * max prob) or the V2
-    # runner's kernel (LOGIT_MIN_P: logit < max logit + log(min_p)); the two differ at the boundary token
-    min_p_rule: str = PROBABILITY_MIN_P
+    # the engine's sampler: V1's functions, or the V2 runner's kernels (its min-p rule, logit < max logit +
+    # log(min_p), not V1's prob < min_p * max prob; its temperature kernel, not IEEE division on CUDA)
+    runner: str = V1_RUNNER
+
+    @property
+    def logit_min_p(self) -> bool:
+        """min-p by the V2 runner's rule (the two rules differ at the boundary token)."""
+        return self.min_p > 0.0 and self.runner == V2_RUNNER
 
     @property
     def truncates(self) -> bool:
@@ -92,8 +97,8 @@ class SamplingDistribution:
         if self.allowed is not None:
             parts.append(f"{len(self.allowed)} allowed tokens")
         parts += [f"{name}={value:g}" for name, value, off in self._truncation() if value != off]
-        if self.min_p > 0.0 and self.min_p_rule == LOGIT_MIN_P:
-            parts.append("min-p by the V2 runner's logit rule")
+        if self.runner == V2_RUNNER:
+            parts.append("the V2 runner's kernels")
         return ", ".join(parts)
 
     def _truncation(self) -> list[tuple[str, float, float]]:

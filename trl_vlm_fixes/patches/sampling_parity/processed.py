@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from .distribution import LOGIT_MIN_P, SamplingDistribution
+from . import temperature as engine_temperature
+from .distribution import SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
 CHUNK_ELEMENTS = 1 << 26
@@ -102,9 +103,9 @@ class Positions:
         through the output layer would cost about a quarter of a 2B model's scoring pass."""
         return self.raw is not None
 
-    def plain_log_probs(self, temperature: float, ids: torch.Tensor) -> torch.Tensor:
+    def plain_log_probs(self, temperature: float, ids: torch.Tensor, runner: str) -> torch.Tensor:
         """[rows] each row's float32 log-prob of its token ``ids`` under the plain distribution at ``temperature``,
-        with vLLM's own arithmetic (float32 logits divided by the temperature, ``log_softmax``: a log-sum-exp
+        with vLLM's own arithmetic (float32 logits, the ``runner``'s temperature step, ``log_softmax``: a log-sum-exp
         subtracted instead is off by a few 1e-7 per token, one-signed, 1e-3 of the weight at 2,048 tokens). Two
         float32 tensors of a chunk at a time (``CHUNK_ELEMENTS`` together)."""
         assert self.raw is not None, "only TRL's own logits are read here"
@@ -114,8 +115,7 @@ class Positions:
             length = width if self.lengths is None else self.lengths[row]
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 logits = self.raw[row, chunk].to(torch.float32, copy=True)
-                if temperature != 1.0:
-                    logits.div_(temperature)
+                logits = engine_temperature.apply_scalar(logits, temperature, runner)
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop, None]
                 parts.append(torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1))
             if length < width:  # after the completion ended: NaN, TRL's own log-prob (the loss masks it away)
@@ -260,7 +260,6 @@ class VllmSteps:
             self.disallowed = torch.ones(1, vocabulary, dtype=torch.bool, device=device)
             self.disallowed[0, list(distribution.allowed)] = False
         self.bad_words = [[token] for token in distribution.bad_word_ids]
-        self.logit_min_p = distribution.min_p > 0.0 and distribution.min_p_rule == LOGIT_MIN_P
         self.temperature = torch.full((rows,), distribution.temperature, dtype=torch.float32, device=device)
         # InputBatch: k=None unless some request has 0 < top_k < vocabulary, p=None unless some has top_p < 1
         top_k = distribution.top_k if 0 < distribution.top_k < vocabulary else 0
@@ -277,23 +276,23 @@ class VllmSteps:
         ``own_normaliser=False``: the plain distribution's normaliser is TRL's own (float32, at this temperature), so
         the share waits for it (``Scored.finish``) and no log-sum-exp over the vocabulary is spent on a metric."""
         from vllm.v1.sample.ops.bad_words import apply_bad_words
-        from vllm.v1.sample.sampler import Sampler
 
         from .vllm_rule import top_k_top_p
 
         bias, min_p = self.processors
         ids = ids.unsqueeze(1)
         temperature = self.distribution.temperature
-        raw_sampled = logits.gather(1, ids) / temperature
+        raw_sampled = engine_temperature.apply(logits.gather(1, ids), self.temperature, self.distribution.runner)
         plain_lse = _logsumexp_scaled(logits, temperature) if own_normaliser else None
         if self.disallowed is not None:
             logits.masked_fill_(self.disallowed, -math.inf)
         if self.bad_words:  # one-token words ban a column: vLLM's own function on the transposed rows, all at once
             apply_bad_words(logits.T.unsqueeze(0), {0: self.bad_words}, [[]])
         logits = bias.apply(logits)
-        logits = Sampler.apply_temperature(logits, self.temperature, True)
+        logits = engine_temperature.apply(logits, self.temperature, self.distribution.runner)
         before_cut = logits.gather(1, ids)
-        logits = _logit_min_p(logits, self.distribution.min_p) if self.logit_min_p else min_p.apply(logits)
+        distribution = self.distribution
+        logits = _logit_min_p(logits, distribution.min_p) if distribution.logit_min_p else min_p.apply(logits)
         logits = top_k_top_p(logits, self.k, self.p)
         # the sampled token is always kept, at its value before the cuts (before the bans too, if they took it)
         after = logits.gather(1, ids)
@@ -391,7 +390,7 @@ class Scorer:
         distribution = self.distribution
         temperature = distribution.temperature
         sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
-        plain = positions.plain_log_probs(temperature, ids) if positions.own_log_probs else None
+        plain = positions.plain_log_probs(temperature, ids, distribution.runner) if positions.own_log_probs else None
         if not distribution.banned:
             return Scored.pending(sampled, plain)
         nan = torch.full_like(sampled, math.nan)
