@@ -282,14 +282,14 @@ class VllmSteps:
         bias, min_p = self.processors
         ids = ids.unsqueeze(1)
         temperature = self.distribution.temperature
-        raw_sampled = engine_temperature.apply(logits.gather(1, ids), self.temperature, self.distribution.runner)
+        raw_sampled = self._at_temperature(logits.gather(1, ids))
         plain_lse = _logsumexp_scaled(logits, temperature) if own_normaliser else None
         if self.disallowed is not None:
             logits.masked_fill_(self.disallowed, -math.inf)
         if self.bad_words:  # one-token words ban a column: vLLM's own function on the transposed rows, all at once
             apply_bad_words(logits.T.unsqueeze(0), {0: self.bad_words}, [[]])
         logits = bias.apply(logits)
-        logits = engine_temperature.apply(logits, self.temperature, self.distribution.runner)
+        logits = self._at_temperature(logits)
         before_cut = logits.gather(1, ids)
         distribution = self.distribution
         logits = _logit_min_p(logits, distribution.min_p) if distribution.logit_min_p else min_p.apply(logits)
@@ -312,6 +312,13 @@ class VllmSteps:
         if plain_lse is None:
             return Scored(processed, nan, sampled_logit, no_ban, nan, kept_lse)
         return Scored(processed, kept_lse - plain_lse, sampled_logit, no_ban, nan, nan)
+
+    def _at_temperature(self, logits: torch.Tensor) -> torch.Tensor:
+        """The engine's temperature step on ``logits`` [rows, ...] in place; at temperature 1 nothing (the division
+        changes no bit, and V2's kernel skips it): no pass over the vocabulary."""
+        if self.distribution.temperature == 1.0:
+            return logits
+        return engine_temperature.apply(logits, self.temperature[: logits.size(0)], self.distribution.runner)
 
 
 def _logit_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
