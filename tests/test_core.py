@@ -53,7 +53,8 @@ print(json.dumps({{
 
 def expected_layers() -> dict[str, int]:
     """How many wrappers each probed method should carry: one per fix whose declaration targets it and is needed on
-    this TRL (read from the declarations: a new fix changes nothing here)."""
+    this TRL, and one, the core's, on an engine builder where any engine fix is needed (read from the declarations: a
+    new fix changes nothing here)."""
     probed = {
         "grpo": ("trl.trainer.grpo_trainer", f"GRPOTrainer.{TARGET}"),
         "rloo": ("trl.trainer.rloo_trainer", f"RLOOTrainer.{TARGET}"),
@@ -69,12 +70,14 @@ def expected_layers() -> dict[str, int]:
         owner_name, _, attribute = qualname.partition(".")
         function = vars(getattr(importlib.import_module(module_name), owner_name))[attribute]
         function = inspect.unwrap(function)
-        layers[key] = sum(
-            1
+        needed = [
+            target
             for fix in ALL_FIXES
             for target in fix.targets
             if (target.module, target.qualname) == (module_name, qualname) and target.upstream_fixed(function) is None
-        )
+        ]
+        core_owned = any(target.core_owned for target in needed)  # the engine builder's one wrapper, the core's
+        layers[key] = sum(not target.core_owned for target in needed) + core_owned
     return layers
 
 
@@ -778,7 +781,9 @@ def test_a_fix_added_as_architecture_says_touches_three_files_of_code(tmp_path: 
     listing = package / "patches" / "__init__.py"
     text = listing.read_text()
     text = text.replace("from . import (\n", "from . import (\n    example_fix,\n")
-    listing.write_text(text.replace("= (\n    mm_realign.FIX", "= (\n    example_fix.FIX,\n    mm_realign.FIX"))
+    head = "ALL_FIXES: tuple[Fix, ...] = (\n"  # the new fix first: the report order is all ALL_FIXES says
+    assert head in text
+    listing.write_text(text.replace(head, head + "    example_fix.FIX,\n"))
     probe = f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r}); sys.path.insert(1, {str(Path(__file__).parent)!r})

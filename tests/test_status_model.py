@@ -29,6 +29,15 @@ TRAINER_SIDE = {"mm_realign", "prompt_parity", "sampling_parity", "vision_token_
 NO_VLLM = {"mm_realign", "vision_token_guard"}  # they act on TRL's own scoring and sampling
 
 
+def trl_pushes_one_parameter_per_call() -> bool:
+    """TRL 1.9.1's colocated push loops over ``named_parameters()`` itself; TRL 1.16 streams ``_iter_named_params``."""
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return "_iter_named_params" not in inspect.getsource(VLLMGeneration.sync_weights)
+
+
 def expected_to_act(family: str, mode: str, sleep_mode: bool, moe_backend_rearranges: bool) -> set[str]:
     """Which fixes act for ``family`` in ``mode``, from the families' facts (not from the rules under test)."""
     if mode == "none":
@@ -38,6 +47,8 @@ def expected_to_act(family: str, mode: str, sleep_mode: bool, moe_backend_rearra
         acting |= {"cudagraph", "gdn_prefill"}
     if family in ROUTED_EXPERTS and (mode == "server" or moe_backend_rearranges):
         acting.add("expert_layout")
+    if mode == "colocate" and trl_pushes_one_parameter_per_call():
+        acting.add("weight_buckets")  # TRL's colocated per-parameter push, whatever the family
     if mode == "colocate" and sleep_mode:
         acting.add("reload_skip")
         if family in DEEPSTACK:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from trl_vlm_fixes.patches.sampling_parity import kernel_copy
 from trl_vlm_fixes.patches.sampling_parity import temperature as engine_temperature
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER, SamplingDistribution
 from trl_vlm_fixes.patches.sampling_parity.processed import VllmSteps
@@ -115,6 +116,8 @@ def test_the_trainer_runs_the_engines_temperature_kernel(v2: SimpleNamespace, mo
     32-request step, and the trainer that runs the engine's kernel (where the engine runs V2 and the logits are on a
     GPU: here the kernel's measured arithmetic stands in for it) is exact. The GPU record runs vLLM's compiled kernel
     on both sides (benchmarks/gpu/v2_sampler_kernels.py)."""
+    if reason := kernel_copy.why_no_copy():  # vLLM's sort path cuts top-p by sorted position: the bits move nothing
+        pytest.skip(f"the approximate top-p cut is vLLM's Triton kernel's, interpreted here on 0.25.1's file: {reason}")
     stand_in = v2_kernels.Engine(torch.device("cpu"), temperature_kernel=_reciprocal_temperature)
     settings = {"temperature": 0.9, "top_p": 0.95}
     logits = _bf16_rows(1)

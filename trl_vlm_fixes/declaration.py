@@ -2,14 +2,14 @@
 
 The core (registry, switches, metrics, status, the trainer-start line, the self-test, the CLI) and the tests read these
 declarations; nothing lists fixes elsewhere. ``patches/__init__.py``'s ``ALL_FIXES`` is the one list, in the order
-the fixes are reported and wrapped (the first is innermost where several fixes wrap one method).
+the fixes are reported; where several fixes act on one callable, ``seams.py`` declares the order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .switches import Setting, fix_switch
 
@@ -74,6 +74,9 @@ class Target:
     upstream_fixed: TargetCheck = _no_problem
     # Experimental modules may be absent from other TRL releases: their absence is not a skip.
     optional: bool = False
+    # The core's own wrapper (an engine builder's, ``seams.ENGINE_BUILDERS``), declared for the fix by its ``engine``:
+    # installed once whatever the number of fixes that declare it; each fix's state is reported on its own.
+    core_owned: bool = False
 
     @property
     def key(self) -> str:
@@ -99,6 +102,13 @@ class ServerAdvice:
     after_repeated_hang: str = ""  # what a second hang asks for, named beside ``after_hang``
 
 
+class EngineSeam(Protocol):
+    """What ``Fix.engine`` declares (``engine_args.EngineContribution``): the fix's contribution to every engine TRL
+    builds, and the core's targets it reports on (every engine builder, each wrapped once by the core)."""
+
+    def targets(self) -> tuple[Target, ...]: ...
+
+
 @dataclass(frozen=True)
 class Fix:
     """One fix, as its module declares it (``FIX = Fix(...)``, the module's last statement)."""
@@ -106,7 +116,8 @@ class Fix:
     name: str
     summary: str
     packages: tuple[str, ...]  # whose validated versions the fix was proven on (a drift warns)
-    targets: tuple[Target, ...]
+    # what the fix wraps itself; an engine fix's engine builders are added from ``engine`` (never declared here)
+    targets: tuple[Target, ...] = ()
     # values beyond on/off (validated at apply(), read with registry.value)
     settings: tuple[Setting, ...] = ()
     counters: tuple[Counter, ...] = ()
@@ -131,8 +142,14 @@ class Fix:
     # an engine fix, asked in vLLM's own server exec'd by ``trl vllm-serve`` (with the server's command line) while it
     # is enabled: the flags that give that engine what the fix would (``server_flags``)
     server_advice: Callable[[Sequence[str]], ServerAdvice] | None = None
+    # an engine fix's contribution to the ``LLM(...)`` arguments of every engine TRL builds
+    # (``engine_args.EngineContribution``): the core wraps each engine builder once and applies it there
+    engine: EngineSeam | None = None
 
     def __post_init__(self) -> None:
+        own = tuple(target for target in self.targets if not target.core_owned)  # dataclasses.replace: derived again
+        derived = self.engine.targets() if self.engine is not None else ()
+        object.__setattr__(self, "targets", (*own, *derived))
         if self.selftest is not None and not _is_check_reference(self.selftest):
             raise TypeError(
                 f"fix {self.name}: selftest={self.selftest!r}: name the check as 'module:function' "

@@ -1,9 +1,13 @@
-"""How the engine fixes (``cudagraph``, ``gdn_prefill``) add arguments to the vLLM engine TRL builds.
+"""How the engine fixes (``cudagraph``, ``gdn_prefill``, ``expert_layout``) add arguments to the vLLM engine TRL
+builds.
 
-One mechanism: the contributions are applied to the keyword arguments of the ``LLM(...)`` call that TRL's own code
-makes, at the moment it makes it. Every engine fix wraps the same places; the wrappers met by one call share a list
-of contributions through a ``ContextVar``, and the innermost (the one whose ``wrapped`` is TRL's or vLLM's own
-function) applies them all. How it reaches the call depends on how TRL's code names ``LLM``:
+One mechanism, owned by the core: each engine fix declares its contribution (``Fix.engine = EngineContribution(...)``)
+and never wraps anything for it; the core wraps each engine builder (``seams.ENGINE_BUILDERS``) once, whatever the
+number of engine fixes, and that one wrapper applies the contribution of every engine fix applied there, in the order
+``seams.ENGINE_CONTRIBUTIONS`` declares, to the keyword arguments of the ``LLM(...)`` call that TRL's own code makes,
+at the moment it makes it. Nothing passes between fixes: the wrapper asks the registry which fixes are applied on its
+builder (``Registry.engine_fixes``) at each build, so ``revert("cudagraph")`` stops that contribution alone. How it
+reaches the call depends on how TRL's code names ``LLM``:
 
 * colocated (``VLLMGeneration._init_vllm``, ``OnlineDPOTrainer.__init__``): ``LLM`` is a module global, so the
   builder runs with a private copy of its globals in which ``LLM`` applies the contributions. Nothing is rebound: two
@@ -28,15 +32,15 @@ import os
 import sys
 import types
 import weakref
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import protection
-from .declaration import Target, WrapperFunction
+from .declaration import Fix, Target, WrapperFunction
 from .logs import fix_logger
-from .registry import report_runtime_state
+from .registry import active, report_runtime_state
+from .seams import ENGINE_BUILDERS, EngineBuilder
 from .source_shape import calls_name, function_tree
 
 LOGGER = fix_logger(__name__)
@@ -80,24 +84,66 @@ def _nothing_read(engine: Any) -> tuple[str, list[str]] | None:
     return None
 
 
+def _no_reason() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
-class _Contribution:
-    fix_name: str
+class EngineContribution:
+    """An engine fix's part in every engine TRL builds (``Fix.engine``): ``contribute`` runs for the engines
+    ``acts_on`` accepts; for the others the fix steps aside and the engine's log line says so (``aside``: what such a
+    model lacks). ``arguments_problem`` says why the installed vLLM would refuse the arguments (asked of vLLM's own
+    classes when TRL's module is patched: the fix is then ``skipped``, the engine built as upstream);
+    ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``); ``read_back`` what the
+    built engine runs."""
+
     contribute: Contribution
     acts_on: Scope
+    arguments_problem: Callable[[], str | None]
+    upstream_fixed: Callable[[], str | None] = _no_reason
     read_back: ReadBack = _nothing_read
     aside: str = NO_GATED_DELTANET  # what the served model lacks where acts_on declines it
 
+    def targets(self) -> tuple[Target, ...]:
+        """The core's targets this fix is reported on: every engine builder, with the core's one wrapper of each
+        (``core_owned``: installed once, however many engine fixes declare it) and this fix's own checks."""
+
+        def refused_arguments() -> str | None:
+            # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins
+            return None if self.upstream_fixed() else self.arguments_problem()
+
+        def builder_problem(function: Callable[..., Any]) -> str | None:
+            return _engine_build_problem(function) or refused_arguments()
+
+        def server_problem(function: Callable[..., Any]) -> str | None:
+            return refused_arguments()
+
+        def versions_fixed(function: Callable[..., Any]) -> str | None:
+            return self.upstream_fixed()
+
+        def server_not_reached(function: Callable[..., Any]) -> str | None:
+            return self.upstream_fixed() or server_builds_elsewhere()
+
+        return tuple(
+            Target(
+                builder.module,
+                builder.qualname,
+                _BUILDER_WRAPPERS[builder.key],
+                shape_problem=server_problem if builder.server else builder_problem,
+                upstream_fixed=server_not_reached if builder.server else versions_fixed,
+                optional=builder.optional,
+                core_owned=True,
+            )
+            for builder in ENGINE_BUILDERS
+        )
+
 
 @dataclass
-class _Pending:
-    """The contributions of the engine fixes whose wrappers this call went through, and whether they were applied."""
+class _Call:
+    """One call of an engine builder: whether the contributions reached ``LLM(...)``."""
 
-    contributions: list[_Contribution] = field(default_factory=list)
     applied: bool = False
 
-
-_pending: ContextVar[_Pending | None] = ContextVar("trl_vlm_fixes_engine_args", default=None)
 
 # What the last engine of this process was built with (the rollout watchdog writes it into its hang report)
 last_engine_settings = "(no engine built by TRL in this process yet)"
@@ -111,15 +157,6 @@ def engine_readings(engine: Any) -> dict[str, str]:
         return dict(_readings.get(engine, {}))
     except TypeError:  # not weak-referenceable
         return {}
-
-
-@dataclass(frozen=True)
-class _Builder:
-    """A place where TRL builds an engine: the name its log line gives, and which engine it builds."""
-
-    caller: str
-    engine: str  # "colocated vLLM engine" or "vLLM engine"
-    server: bool = False
 
 
 def served_model_config(trainer: Any, kwargs: dict[str, Any]) -> Any:
@@ -185,25 +222,31 @@ def gated_deltanet_scope(trainer: Any) -> str | None:
 
 
 def _construct(
-    builder: _Builder, trainer: Any, target_key: str, engine: Callable[..., Any], /, *args: Any, **kwargs: Any
+    builder: EngineBuilder,
+    contributions: Sequence[tuple[str, EngineContribution]],
+    call: _Call,
+    trainer: Any,
+    engine: Callable[..., Any],
+    /,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    """Apply every pending contribution to ``kwargs``, build the engine, then say in one line what vLLM built (read
-    back from the engine's own config, with a warning where a setting changes what a mode means): at INFO where the
-    build is healthy, at WARNING where it is not."""
-    pending = _pending.get()
-    assert pending is not None  # only called inside a wrapper, which set it
+    """Apply the contributions, in their declared order, to ``kwargs``, build the engine, then say in one line what
+    vLLM built (read back from the engine's own config, with a warning where a setting changes what a mode means): at
+    INFO where the build is healthy, at WARNING where it is not."""
+    target_key = builder.key
     model_config = served_model_config(trainer, kwargs)
     build = EngineBuild(builder.caller, model_config, protection.due(builder.server))
     acting = []
-    for contribution in pending.contributions:
+    for fix_name, contribution in contributions:
         if contribution.acts_on(build):
             contribution.contribute(kwargs, build)
-            if any(name == contribution.fix_name for name, _ in build.stepped_aside):
+            if any(name == fix_name for name, _ in build.stepped_aside):
                 continue  # it looked at the engine and found nothing to do (its own reason is on the build)
-            acting.append(contribution)
+            acting.append((fix_name, contribution))
         else:
-            build.stepped_aside.append((contribution.fix_name, contribution.aside))
-    pending.applied = True
+            build.stepped_aside.append((fix_name, contribution.aside))
+    call.applied = True
     if not builder.server:  # one tensor-parallel group, one engine: a difference is an error here, not a wait there
         chosen = ", ".join(f"{name}={value}" for name, value in sorted(build.settings.items()))
         protection.agree_in_group(trainer, chosen or "no protected setting")
@@ -214,16 +257,16 @@ def _construct(
     # another value than a fix asked for
     healthy = not build.protection.level and not (build.model_config is None and build.stepped_aside)
     readings, by_fix = [], {}
-    for contribution in acting:
+    for fix_name, contribution in acting:
         reading, read = _read_back(contribution, built)
         healthy = healthy and read
         if reading is not None:
             setting, warnings = reading
             readings.append(setting)
-            why = build.why.get(contribution.fix_name)
-            by_fix[contribution.fix_name] = setting + (f" ({why})" if why else "")
+            why = build.why.get(fix_name)
+            by_fix[fix_name] = setting + (f" ({why})" if why else "")
             report_runtime_state(
-                contribution.fix_name,
+                fix_name,
                 target_key,
                 "applied",
                 f"{builder.caller}: engine built with {setting} (read back from the built engine)"
@@ -267,7 +310,7 @@ def _value_name(value: str) -> str:
     return value.rsplit(".", 1)[-1].lower()
 
 
-def _read_back(contribution: _Contribution, engine: Any) -> tuple[tuple[str, list[str]] | None, bool]:
+def _read_back(contribution: EngineContribution, engine: Any) -> tuple[tuple[str, list[str]] | None, bool]:
     """What the fix reads back from the built engine, and whether the reading could be taken."""
     try:
         return contribution.read_back(engine), True
@@ -276,17 +319,23 @@ def _read_back(contribution: _Contribution, engine: Any) -> tuple[tuple[str, lis
 
 
 def _intercept(
-    builder: _Builder, target_key: str, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    builder: EngineBuilder,
+    contributions: Sequence[tuple[str, EngineContribution]],
+    call: _Call,
+    wrapped: Any,
+    instance: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """Run TRL's builder (colocated) or vLLM's constructor (server) so that its ``LLM(...)`` gets the contributions."""
     if builder.server:
-        return _construct(builder, None, target_key, wrapped, *args, **kwargs)
+        return _construct(builder, contributions, call, None, wrapped, *args, **kwargs)
     function = wrapped.__func__
     namespace = dict(function.__globals__)
     engine = namespace.get("LLM")
     if engine is None:  # vLLM absent: TRL raises its own ImportError
         return wrapped(*args, **kwargs)
-    namespace["LLM"] = functools.partial(_construct, builder, instance, target_key, engine)
+    namespace["LLM"] = functools.partial(_construct, builder, contributions, call, instance, engine)
     private = types.FunctionType(
         function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
     )
@@ -295,7 +344,7 @@ def _intercept(
 
 
 def _is_own_function(wrapped: Any) -> bool:
-    """TRL's (or vLLM's) own function, not another fix's wrapper. type(), not isinstance(): wrapt's proxies pretend."""
+    """TRL's (or vLLM's) own function, not someone else's wrapper. type(), not isinstance(): wrapt's proxies pretend."""
     return type(wrapped) is types.MethodType and type(wrapped.__func__) is types.FunctionType
 
 
@@ -325,32 +374,34 @@ def server_is_calling() -> bool:
     return False
 
 
-def _wrapper(target_key: str, builder: _Builder, contribution: _Contribution) -> WrapperFunction:
-    """The wrapper one engine fix puts on one place where TRL builds an engine."""
+def _contributions(fixes: Sequence[Fix]) -> list[tuple[str, EngineContribution]]:
+    contributions = []
+    for fix in fixes:
+        assert isinstance(fix.engine, EngineContribution)  # Registry.engine_fixes: the fixes that declare one
+        contributions.append((fix.name, fix.engine))
+    return contributions
+
+
+def _builder_wrapper(builder: EngineBuilder) -> WrapperFunction:
+    """The core's one wrapper on one place where an engine is built: every engine fix applied there contributes."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if builder.server and not server_is_calling():  # another engine than TRL's server: not ours to change
             return wrapped(*args, **kwargs)
-        pending = _pending.get()
-        token = None
-        if pending is None:  # the outermost engine fix: it opens the list and checks the outcome
-            pending = _Pending()
-            token = _pending.set(pending)
-        pending.contributions.append(contribution)
-        try:
-            if _is_own_function(wrapped):
-                result = _intercept(builder, target_key, wrapped, instance, args, kwargs)
-            else:  # another engine fix's wrapper sits below ours: the innermost applies every contribution
-                result = wrapped(*args, **kwargs)
-        finally:
-            if token is not None:
-                _pending.reset(token)
+        contributions = _contributions(active().engine_fixes(builder.key))
+        if not contributions:
+            return wrapped(*args, **kwargs)
+        call = _Call()
+        if _is_own_function(wrapped):
+            result = _intercept(builder, contributions, call, wrapped, instance, args, kwargs)
+        else:  # someone else's wrapper sits below the core's: the contributions cannot reach its LLM(...)
+            result = wrapped(*args, **kwargs)
         engine_built = builder.server or getattr(instance, "llm", None) is not None
-        if token is not None and engine_built and not pending.applied:
+        if engine_built and not call.applied:
             build = EngineBuild(builder.caller, served_model_config(None if builder.server else instance, kwargs))
-            for missed in pending.contributions:  # those that would have acted on this model (all, if unreadable)
+            for fix_name, missed in contributions:  # those that would have acted on this model (all, if unreadable)
                 if build.model_config is None or missed.acts_on(build):
-                    _report_missed(missed.fix_name, target_key, builder.caller)
+                    _report_missed(fix_name, builder.key, builder.caller)
         return result
 
     return wrapper
@@ -392,69 +443,5 @@ def _engine_build_problem(function: Callable[..., Any]) -> str | None:
     return None if calls_name(tree, "LLM") else "no longer builds the engine with LLM(...)"
 
 
-COLOCATED = "colocated vLLM engine"
-# TRL's methods that build a colocated engine with ``LLM(...)``: (module, Class.method, caller, optional)
-ENGINE_BUILDERS = (
-    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm", "VLLMGeneration", False),
-    ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer.__init__", "OnlineDPOTrainer", True),
-)
-# server mode: the engine's own constructor, acting only when TRL's vllm_serve.py calls it
-SERVER_ENGINE = ("vllm.entrypoints.llm", "LLM.__init__")
-SERVER = _Builder("trl vllm-serve", "vLLM engine", server=True)
-
-
-def _no_reason() -> str | None:
-    return None
-
-
-def engine_builder_targets(
-    fix_name: str,
-    contribute: Contribution,
-    acts_on: Scope,
-    arguments_problem: Callable[[], str | None],
-    upstream_fixed: Callable[[], str | None] = _no_reason,
-    read_back: ReadBack = _nothing_read,
-    aside: str = NO_GATED_DELTANET,
-) -> tuple[Target, ...]:
-    """The targets of a fix that adds engine arguments: every TRL method that builds a colocated engine, and the
-    engine ``trl vllm-serve`` builds. ``contribute`` runs for the engines ``acts_on`` accepts; for the others the fix
-    steps aside and the engine's log line says so (``aside``: what such a model lacks).
-    ``arguments_problem`` says why the installed vLLM would refuse the
-    arguments (asked of vLLM's own classes when TRL's module is patched: the fix is then ``skipped``, the engine
-    built as upstream); ``upstream_fixed`` why the installed versions no longer have the bug (``not-needed``)."""
-    contribution = _Contribution(fix_name, contribute, acts_on, read_back, aside)
-
-    def refused_arguments() -> str | None:
-        # where the installed versions have no bug, a missing argument is no reason to warn: not-needed wins
-        return None if upstream_fixed() else arguments_problem()
-
-    def builder_problem(function: Callable[..., Any]) -> str | None:
-        return _engine_build_problem(function) or refused_arguments()
-
-    def versions_fixed(function: Callable[..., Any]) -> str | None:
-        return upstream_fixed()
-
-    def server_not_reached(function: Callable[..., Any]) -> str | None:
-        return upstream_fixed() or server_builds_elsewhere()
-
-    colocated = tuple(
-        Target(
-            module=module,
-            qualname=qualname,
-            wrapper=_wrapper(f"{module}:{qualname}", _Builder(caller, COLOCATED), contribution),
-            shape_problem=builder_problem,
-            upstream_fixed=versions_fixed,
-            optional=optional,
-        )
-        for module, qualname, caller, optional in ENGINE_BUILDERS
-    )
-    module, qualname = SERVER_ENGINE
-    server = Target(
-        module,
-        qualname,
-        _wrapper(f"{module}:{qualname}", SERVER, contribution),
-        shape_problem=lambda function: refused_arguments(),
-        upstream_fixed=server_not_reached,
-        optional=True,
-    )
-    return (*colocated, server)
+# the core's one wrapper per engine builder (``EngineContribution.targets`` declares it for every engine fix)
+_BUILDER_WRAPPERS: dict[str, WrapperFunction] = {builder.key: _builder_wrapper(builder) for builder in ENGINE_BUILDERS}

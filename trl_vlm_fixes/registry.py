@@ -3,7 +3,9 @@
 Modelled on ddtrace's ``_monkey`` and OpenTelemetry's instrumentors: post-import hooks make import order irrelevant,
 each wrapper sits on the class that defines the method (so subclasses inherit it), and revert puts back the exact
 original objects. A hook never breaks the user's import unless strict mode asked for that. Every switch and setting a
-fix declares is read once, at ``apply()`` (explicit choices given to ``apply`` win over the environment).
+fix declares is read once, at ``apply()`` (explicit choices given to ``apply`` win over the environment). Where several
+fixes wrap one method, they are wrapped in the order ``seams.py`` declares for it (the order of the fixes given is the
+report order only); each engine builder carries one wrapper, the core's, whatever the number of engine fixes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import wrapt
 
+from . import seams
 from .declaration import TRAINERS, Fix, Target, TargetCheck, WrapperFunction, on_trainers
 from .logs import fix_logger
 from .switches import master_switch, own_switch, strict_mode, validate_environment
@@ -71,6 +74,7 @@ class _Patched:
     attribute: str
     original: Any
     wrapper: Any
+    shared: bool = False  # the core's wrapper another fix's entry installed (an engine builder's): unwrapped there
 
 
 @dataclass
@@ -87,12 +91,15 @@ class Registry:
     """Holds the fixes, their per-target state and settings, and the originals needed for an exact revert."""
 
     def __init__(self, fixes: tuple[Fix, ...], support: tuple[Target, ...] = ()) -> None:
+        seams.check(fixes)  # every fix's place on every seam is declared (SeamOrderError otherwise)
         self.fixes = {fix.name: fix for fix in fixes}
+        self._wrapping = _wrapping_order(fixes)
         # Support targets (the metrics flush, the trainer-start line) serve every fix: wrapped while any fix is
         # enabled, never reported.
         self.support = support
         self._records = {fix.name: _FixRecord() for fix in fixes}
         self._patched: dict[str, _Patched] = {}
+        self._core_wrapped: dict[str, _Patched] = {}  # target key -> the core's wrapper there (an engine builder)
         self._hooked_modules: set[str] = set()
         self._active = False
         self._reverted = False
@@ -234,6 +241,16 @@ class Registry:
             return "not-needed", "; ".join(by_state["not-needed"])
         return "pending", "; ".join(by_state.get("pending", [])) or "no target present"
 
+    def engine_fixes(self, target_key: str) -> list[Fix]:
+        """The engine fixes applied on the engine builder ``target_key`` (its wrapper is the core's one), in the order
+        ``seams.ENGINE_CONTRIBUTIONS`` declares: the contributions the core's wrapper applies at this build."""
+        with self._lock:
+            return [
+                self.fixes[name]
+                for name in seams.ENGINE_CONTRIBUTIONS
+                if name in self.fixes and f"{name}|{target_key}" in self._patched
+            ]
+
     def summary(self) -> str:
         return ", ".join(f"{name}={self.fix_state(name)[0]}" for name in self.fixes)
 
@@ -310,7 +327,11 @@ class Registry:
                 wrapt.register_post_import_hook(self._on_import, module_name)
 
     def _unpatch_all(self) -> None:
+        self._core_wrapped.clear()
         for key, patched in reversed(list(self._patched.items())):  # last wrapped is outermost
+            if patched.shared:  # the core's wrapper: put back once, by the entry that installed it
+                del self._patched[key]
+                continue
             current = vars(patched.owner).get(patched.attribute)
             if current is patched.wrapper:
                 setattr(patched.owner, patched.attribute, patched.original)
@@ -340,12 +361,11 @@ class Registry:
             with self._lock:
                 if not self._active:
                     return
-                for fix in self.fixes.values():  # ALL_FIXES order: the first is wrapped first, so innermost
+                for fix, target in self._wrapping:  # on a shared method, seams.py's order: innermost first
                     if not self._records[fix.name].enabled:
                         continue
-                    for target in fix.targets:
-                        if target.module == module.__name__ and _patch_key(fix.name, target) not in self._patched:
-                            self._patch_guarded(fix, target, module)
+                    if target.module == module.__name__ and _patch_key(fix.name, target) not in self._patched:
+                        self._patch_guarded(fix, target, module)
                 if any(record.enabled for record in self._records.values()):
                     for target in self.support:
                         if target.module == module.__name__ and _patch_key("", target) not in self._patched:
@@ -367,8 +387,12 @@ class Registry:
     def _patch(self, fix: Fix | None, target: Target, module: ModuleType) -> None:
         """Wrap one target in place; ``fix`` None is a support target (metrics flush), never reported."""
         class_name, _, attribute = target.qualname.rpartition(".")
-        owner = getattr(module, class_name, None) if class_name else module
-        original = vars(owner).get(attribute) if isinstance(owner, type | ModuleType) else None
+        installed = self._core_wrapped.get(target.key) if target.core_owned else None
+        if installed is not None:  # the core's wrapper is there already: this fix's checks read TRL's own function
+            owner, original = installed.owner, installed.original
+        else:
+            owner = getattr(module, class_name, None) if class_name else module
+            original = vars(owner).get(attribute) if isinstance(owner, type | ModuleType) else None
         problem = _target_problem(owner, class_name, original, target)
         if fix is None:
             if problem:
@@ -382,9 +406,15 @@ class Registry:
             LOGGER.info("%s steps aside for %s: %s", fix.name, target.qualname, reason)
             return
         assert owner is not None and original is not None  # _target_problem checked both
-        wrapper = wrapt.FunctionWrapper(original, target.wrapper)
-        setattr(owner, attribute, wrapper)
-        self._patched[_patch_key(fix.name if fix else "", target)] = _Patched(owner, attribute, original, wrapper)
+        key = _patch_key(fix.name if fix else "", target)
+        if installed is not None:  # one wrapper of the core's per engine builder, however many fixes contribute
+            self._patched[key] = _Patched(owner, attribute, original, installed.wrapper, shared=True)
+        else:
+            wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+            setattr(owner, attribute, wrapper)
+            self._patched[key] = _Patched(owner, attribute, original, wrapper)
+            if target.core_owned:
+                self._core_wrapped[target.key] = self._patched[key]
         if fix is not None:
             self._set(fix, target, "applied", f"{target.qualname} wrapped")
             LOGGER.debug("%s wrapped %s", fix.name, target.key)
@@ -421,8 +451,30 @@ def _target_problem(owner: Any, class_name: str, original: Any, target: Target) 
 
 
 def _patch_key(fix_name: str, target: Target) -> str:
-    """Several fixes may wrap one method (the engine builder): each wrapper is recorded on its own."""
+    """Several fixes may wrap one method: each wrapper is recorded on its own (an engine builder's one wrapper, the
+    core's, once per fix applied there: ``Registry.engine_fixes``)."""
     return f"{fix_name}|{target.key}"
+
+
+def _wrapping_order(fixes: tuple[Fix, ...]) -> list[tuple[Fix, Target]]:
+    """Every (fix, target), in the order they are wrapped: on each method, the order ``seams.py`` declares for it
+    (innermost first; on an engine builder, ``ENGINE_CONTRIBUTIONS``), whatever the order of ``fixes``."""
+    pairs = [(fix, target) for fix in fixes for target in fix.targets]
+    slots: dict[str, list[int]] = {}
+    for index, (_, target) in enumerate(pairs):
+        slots.setdefault(target.key, []).append(index)
+    ordered = list(pairs)
+    for key, indices in slots.items():
+        entries = sorted((pairs[index] for index in indices), key=lambda pair: _rank(key, pair[0].name))
+        for index, entry in zip(indices, entries, strict=True):
+            ordered[index] = entry
+    return ordered
+
+
+def _rank(key: str, fix_name: str) -> int:
+    if key in seams.ENGINE_BUILDER_KEYS:
+        return seams.ENGINE_CONTRIBUTIONS.index(fix_name)  # seams.check: every engine fix is named there
+    return seams.position(key, fix_name)
 
 
 def _missing_parameters(function: Callable[..., Any], required: tuple[str, ...]) -> str | None:

@@ -15,6 +15,7 @@ from . import (
     vision_token_guard,
     wake_reset,
     watchdog,
+    weight_buckets,
 )
 from .expert_layout import ExpertLayoutError
 
@@ -22,6 +23,7 @@ from .expert_layout import ExpertLayoutError
 __all__ = ["ALL_FIXES", "ExpertLayoutError"]
 
 ALL_FIXES: tuple[Fix, ...] = (
+    weight_buckets.FIX,
     mm_realign.FIX,
     prompt_parity.FIX,
     sampling_parity.FIX,

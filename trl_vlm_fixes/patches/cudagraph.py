@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import protection
 from ..declaration import Fix, ServerAdvice
-from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
+from ..engine_args import EngineBuild, EngineContribution, gated_deltanet_scope, serves_gated_deltanet
 from ..logs import fix_logger
 from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
@@ -262,9 +262,7 @@ FIX = Fix(
     summary="vLLM engine keeps vLLM's CUDA graphs until an engine hang; then Gated-DeltaNet kernels outside them "
     "(PIECEWISE), none captured after a second hang at one step (NONE)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets(
-        "cudagraph", contribute, serves_gated_deltanet, arguments_problem, read_back=read_back
-    ),
+    engine=EngineContribution(contribute, serves_gated_deltanet, arguments_problem, read_back=read_back),
     settings=(MODE,),
     selftest="trl_vlm_fixes.selftest.checks.cudagraph:check",
     scope=scope,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..declaration import Fix, Plan
-from ..engine_args import EngineBuild, engine_builder_targets, served_model_config
+from ..engine_args import EngineBuild, EngineContribution, served_model_config
 from ..logs import fix_logger
 from ..moe_backend import (
     REARRANGING_BACKENDS,
@@ -154,13 +154,8 @@ FIX = Fix(
     summary="experts pushed into the colocated vLLM engine land in the layout its MoE kernel reads (Triton where "
     "vLLM's default would rearrange them after loading)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets(
-        "expert_layout",
-        contribute,
-        serves_routed_experts,
-        arguments_problem,
-        read_back=read_back,
-        aside=NO_ROUTED_EXPERTS,
+    engine=EngineContribution(
+        contribute, serves_routed_experts, arguments_problem, read_back=read_back, aside=NO_ROUTED_EXPERTS
     ),
     selftest="trl_vlm_fixes.selftest.checks.expert_layout:check",
     scope=scope,

@@ -7,7 +7,8 @@ replaced it with a CuTe-DSL kernel, on which the hang no longer reproduces (flas
 ``not-needed`` (``kernel_gone_reason``). Prefill never runs inside a CUDA graph, so no ``cudagraph_mode`` avoids it;
 ``gdn_prefill_backend`` does.
 The value is added at TRL's ``LLM(...)`` call (colocated and ``trl vllm-serve``, neither of which passes one),
-through the same mechanism as ``cudagraph``, and only for models that have Gated-DeltaNet layers.
+by the core's one wrapper per engine builder (as ``cudagraph``'s), and only for models that have Gated-DeltaNet
+layers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from packaging.version import Version
 
 from ..declaration import Fix, ServerAdvice
-from ..engine_args import EngineBuild, engine_builder_targets, gated_deltanet_scope, serves_gated_deltanet
+from ..engine_args import EngineBuild, EngineContribution, gated_deltanet_scope, serves_gated_deltanet
 from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
 from ..registry import active, value
@@ -110,8 +111,7 @@ FIX = Fix(
     name="gdn_prefill",
     summary="colocated vLLM engine runs Gated-DeltaNet prefill on Triton (FlashInfer SM90 prefill hang)",
     packages=("trl", "vllm"),
-    targets=engine_builder_targets(
-        "gdn_prefill",
+    engine=EngineContribution(
         contribute,
         serves_gated_deltanet,
         arguments_problem,
