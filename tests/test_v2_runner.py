@@ -9,7 +9,7 @@ its log-softmax kernel V1's within float32's last bits; its min-p rule (logit < 
 min_p * max prob) at the boundary token: the trainer applies V2's rule where the colocated engine runs V2. On an H100
 (docs/gpu-results.md section 14) the compiled temperature kernel is not IEEE division but a multiplication by the
 reciprocal, which moves the approximate top-p cut: the trainer runs the engine's kernel where the engine runs V2
-(``temperature.py``), shown here with that arithmetic standing in for the compiled kernel.
+(``engine_steps.py``), shown here with that arithmetic standing in for the compiled kernel.
 V2's logit-bias and bad-words kernels are not run here: they set -inf or add a bias in float32 as V1's functions do,
 and those commute with each other (read from vLLM's source).
 """
@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from trl_vlm_fixes.patches.sampling_parity import kernel_copy
-from trl_vlm_fixes.patches.sampling_parity import temperature as engine_temperature
+from trl_vlm_fixes.patches.sampling_parity import engine_steps, kernel_copy
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER, SamplingDistribution
 from trl_vlm_fixes.patches.sampling_parity.processed import VllmSteps
 from trl_vlm_fixes.selftest import v2_kernels
@@ -131,8 +130,9 @@ def test_the_trainer_runs_the_engines_temperature_kernel(v2: SimpleNamespace, mo
         called.append(logits.size(0))
         _reciprocal_temperature(logits, mapping, temperatures)
 
-    monkeypatch.setattr(engine_temperature, "v2_kernel", lambda: kernel)
-    monkeypatch.setattr(engine_temperature, "uses_v2_kernel", lambda runner, device: runner == V2_RUNNER)
+    monkeypatch.setattr(engine_steps, "v2_kernel", lambda: kernel)
+    monkeypatch.setattr(engine_steps, "v2_min_p_kernel", lambda: None)
+    monkeypatch.setattr(engine_steps, "uses_v2_kernel", lambda runner, device: runner == V2_RUNNER)
     fixed = _trainer(logits, ids, SamplingDistribution(**settings, runner=V2_RUNNER))
     assert ROWS in called  # the trainer's step ran the engine's kernel on its rows
     assert (engine_logps - fixed).abs().max().item() < 1e-6  # the fix
@@ -140,12 +140,15 @@ def test_the_trainer_runs_the_engines_temperature_kernel(v2: SimpleNamespace, mo
 
 
 def test_the_colocated_engines_runner_is_read(caplog: pytest.LogCaptureFixture) -> None:
-    """The colocated engine's runner is read from its config (V2: its steps, said once at INFO); a server's cannot
-    be read: V1's steps, and one WARNING saying how to make it exact; nothing that V2 computes otherwise (no min_p,
-    no cut at a temperature other than 1): nothing to choose."""
+    """The colocated engine's runner is read from its config (V2: its steps, said once at INFO where they change the
+    trainer's arithmetic: min_p, a temperature other than 1). A server's cannot be read: V1's steps, and one WARNING
+    saying how to make it exact, where a V2 server would move a cut (min_p; top_p at a temperature other than 1) and
+    the model is not one that vLLM before 0.29 serves with V1 (hybrid or MoE)."""
     from trl_vlm_fixes.patches import sampling_parity
 
-    def generation(mode: str, v2_runner: bool, min_p: float, temperature: float = 1.0, top_p: float = 1.0) -> Any:
+    def generation(
+        mode: str, v2_runner: bool, min_p: float, temperature: float = 1.0, top_p: float = 1.0, model: Any = None
+    ) -> Any:
         config = SimpleNamespace(use_v2_model_runner=v2_runner)
         return SimpleNamespace(
             mode=mode,
@@ -156,17 +159,64 @@ def test_the_colocated_engines_runner_is_read(caplog: pytest.LogCaptureFixture) 
             repetition_penalty=1.0,
             generation_kwargs={},
             llm=SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)),
+            model=model,
         )
 
     with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         assert sampling_parity._asked_for(generation("colocate", False, 0.05)).runner == V1_RUNNER
-        assert not caplog.records
-        assert sampling_parity._asked_for(generation("colocate", True, 0.0, temperature=0.7)).runner == V1_RUNNER
-        assert not caplog.records  # no min_p, no cut: V2 computes what V1 does, nothing said
-        assert sampling_parity._asked_for(generation("colocate", True, 0.0, 0.7, top_p=0.9)).runner == V2_RUNNER
+        assert sampling_parity._asked_for(generation("colocate", True, 0.0)).runner == V2_RUNNER
+        assert not caplog.records  # V1, or V2 at temperature 1 without min_p: the same arithmetic, nothing said
+        assert sampling_parity._asked_for(generation("colocate", True, 0.0, temperature=0.7)).runner == V2_RUNNER
         assert sampling_parity._asked_for(generation("colocate", True, 0.05)).runner == V2_RUNNER
         assert [r.levelno for r in caplog.records] == [logging.INFO] and "V2" in caplog.records[0].getMessage()
         caplog.clear()
+        assert sampling_parity._asked_for(generation("server", True, 0.0, temperature=0.7)).runner == V1_RUNNER
+        assert not caplog.records  # no cut moves: nothing to warn of
+        if _installed_vllm_before_0_29():  # a hybrid model: V1 on such a server, nothing to warn of either
+            qwen35 = SimpleNamespace(config=_config({"text_config": {"layer_types": ["linear_attention"]}}))
+            assert sampling_parity._asked_for(generation("server", True, 0.05, model=qwen35)).runner == V1_RUNNER
+            assert not caplog.records
         assert sampling_parity._asked_for(generation("server", True, 0.05)).runner == V1_RUNNER
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.records[0].getMessage()
+
+
+def _installed_vllm_before_0_29() -> bool:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("vllm").split(".")[:2]) < (0, 29)
+
+
+def _config(values: dict[str, Any]) -> Any:
+    """A model config as transformers' (``to_dict``), its text config an attribute."""
+    text = SimpleNamespace(**values.get("text_config", {}))
+    return SimpleNamespace(to_dict=lambda: values, text_config=text)
+
+
+def test_the_trainers_v2_steps_run_vllms_own_kernels(v2: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's V2 steps (``engine_steps``) called with vLLM's own V2 kernels, as on CUDA (here interpreted): the
+    arguments fit them (every row changed where it must be), and in IEEE float32 they give V1's division and V2's
+    rule in torch bit for bit, so the CPU path the trainer takes without them is the same arithmetic."""
+    from trl_vlm_fixes.patches.sampling_parity import kernel_copy
+
+    calls: list[str] = []
+
+    def interpreted(name: str, kernel: Any) -> Any:
+        def run(logits: torch.Tensor, mapping: torch.Tensor, values: torch.Tensor) -> None:
+            calls.append(name)
+            with kernel_copy.interpreting():
+                kernel(logits, mapping, values)
+
+        return run
+
+    logits = v2_kernels.min_p_boundary_rows(8, VOCABULARY, 0.05, 0.8)
+    divided = engine_steps.apply_scalar(logits.clone(), 0.8, V1_RUNNER)
+    by_rule = engine_steps.logit_min_p(divided.clone(), 0.05, V1_RUNNER)
+    monkeypatch.setattr(engine_steps, "v2_kernel", lambda: interpreted("temperature", v2.apply_temperature))
+    monkeypatch.setattr(engine_steps, "v2_min_p_kernel", lambda: interpreted("min_p", v2.apply_min_p))
+    monkeypatch.setattr(engine_steps, "uses_v2_kernel", lambda runner, device: runner == V2_RUNNER)
+    scaled = engine_steps.apply_scalar(logits.clone(), 0.8, V2_RUNNER)
+    cut = engine_steps.logit_min_p(scaled.clone(), 0.05, V2_RUNNER)
+    assert calls == ["temperature", "min_p"]  # vLLM's kernels ran, on every row
+    assert not scaled.equal(logits) and torch.isinf(cut).any(dim=1).all()  # each row scaled, each row cut
+    assert scaled.equal(divided) and cut.equal(by_rule)

@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trl_vlm_fixes.patches.sampling_parity import temperature as engine_temperature
-from trl_vlm_fixes.patches.sampling_parity import vllm_rule
+from trl_vlm_fixes.patches.sampling_parity import engine_steps, vllm_rule
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER, SamplingDistribution
 from trl_vlm_fixes.patches.sampling_parity.processed import VllmSteps
 from trl_vlm_fixes.selftest import v2_kernels
@@ -60,7 +59,7 @@ def temperature_ulps(engine: v2_kernels.Engine, logits: torch.Tensor, temperatur
     """V2's kernel against IEEE division (V1's step) and against the trainer's step where the engine runs V2."""
     kernel = engine.temperature(logits, temperature)
     divided = logits / torch.full((logits.size(0), 1), temperature, device=logits.device)
-    trainer_v2 = engine_temperature.apply_scalar(logits.clone(), temperature, V2_RUNNER)
+    trainer_v2 = engine_steps.apply_scalar(logits.clone(), temperature, V2_RUNNER)
 
     def differing(other: torch.Tensor) -> tuple[int, int]:
         ulps = (kernel.view(torch.int32).long() - other.view(torch.int32).long()).abs()

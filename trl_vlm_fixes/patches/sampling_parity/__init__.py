@@ -124,28 +124,60 @@ def _asked_for(generation: Any) -> SamplingDistribution | str:
     processing = getattr(generation, "processing_class", None)
     tokenizer = getattr(processing, "tokenizer", processing)
     distribution = read_distribution(effective_settings(generation), tokenizer)
-    if isinstance(distribution, str) or not _runner_matters(distribution):
+    if isinstance(distribution, str):
         return distribution
     return replace(distribution, runner=_engine_runner(generation, distribution))
 
 
 def _runner_matters(distribution: SamplingDistribution) -> bool:
     """The V2 runner's steps differ from V1's in what the trainer reproduces: its min-p rule, and its temperature
-    kernel (compiled on CUDA, not IEEE division) wherever the cut is approximate or min-p's boundary moves with it."""
-    return distribution.min_p > 0.0 or (distribution.temperature != 1.0 and distribution.truncates)
+    kernel (compiled on CUDA, not IEEE division) at any temperature other than 1."""
+    return distribution.min_p > 0.0 or distribution.temperature != 1.0
+
+
+def _server_moves_a_cut(distribution: SamplingDistribution) -> bool:
+    """What a V2 server computes otherwise moves a cut, not only a last bit: min-p's boundary token, or the
+    approximate top-p cut after its temperature kernel (a top-k set does not move with a monotone scaling)."""
+    return distribution.min_p > 0.0 or (distribution.temperature != 1.0 and distribution.top_p < 1.0)
+
+
+def _server_runs_v1(generation: Any) -> bool:
+    """The server's vLLM (taken to be this environment's) builds V1 for this model: before 0.29 it builds V2 only for
+    models neither hybrid nor MoE (Qwen3.5 and every MoE family keep V1), unless ``VLLM_USE_V2_MODEL_RUNNER`` is
+    set."""
+    import os
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ...model_facts import has_gated_deltanet
+    from ...moe_backend import has_routed_experts
+
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
+        return os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    try:
+        major, minor = (int(part) for part in version("vllm").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    config = getattr(getattr(generation, "model", None), "config", None)
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else None
+    if (major, minor) >= (0, 29) or not isinstance(as_dict, dict):
+        return False
+    return has_gated_deltanet(as_dict) or has_routed_experts(config)
 
 
 def _engine_runner(generation: Any, distribution: SamplingDistribution) -> str:
     """The runner of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
     neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts min-p at logit < max + log(min_p),
     V1 at prob < min_p * max prob, and divides by the temperature in a Triton kernel (approximate division on CUDA:
-    ``temperature.py``); its log-softmax kernel computes what V1's does within float32's last bits, its bias and
+    ``engine_steps.py``); its log-softmax kernel computes what V1's does within float32's last bits, its bias and
     bad-words kernels set -inf or add in float32 as V1's do (``tests/test_v2_runner.py`` runs them in Triton's
     interpreter, ``benchmarks/gpu/v2_sampler_kernels.py`` compiled). The colocated engine's runner is read from its
-    config; a server's cannot be read from the trainer: V1's steps are kept, and one WARNING says so."""
+    config; a server's cannot be read from the trainer: V1's steps are kept, and one WARNING says so where a V2 server
+    would move a cut (not for a model that vLLM before 0.29 serves with V1)."""
     if getattr(generation, "mode", None) == "colocate":
         config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
         if getattr(config, "use_v2_model_runner", False) is True:
+            if not _runner_matters(distribution):
+                return V2_RUNNER
             warn_once(
                 ("sampling_parity", "V2 model runner"),
                 "the colocated engine runs vLLM's V2 model runner: the trainer applies its steps (its temperature "
@@ -154,6 +186,8 @@ def _engine_runner(generation: Any, distribution: SamplingDistribution) -> str:
                 level=logging.INFO,
             )
             return V2_RUNNER
+        return V1_RUNNER
+    if not _server_moves_a_cut(distribution) or _server_runs_v1(generation):
         return V1_RUNNER
     warn_once(
         ("sampling_parity", "server runner"),

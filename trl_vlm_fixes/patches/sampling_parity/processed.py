@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from . import temperature as engine_temperature
+from . import engine_steps
 from .distribution import SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
@@ -115,7 +115,7 @@ class Positions:
             length = width if self.lengths is None else self.lengths[row]
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 logits = self.raw[row, chunk].to(torch.float32, copy=True)
-                logits = engine_temperature.apply_scalar(logits, temperature, runner)
+                logits = engine_steps.apply_scalar(logits, temperature, runner)
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop, None]
                 parts.append(torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1))
             if length < width:  # after the completion ended: NaN, TRL's own log-prob (the loss masks it away)
@@ -292,7 +292,10 @@ class VllmSteps:
         logits = self._at_temperature(logits)
         before_cut = logits.gather(1, ids)
         distribution = self.distribution
-        logits = _logit_min_p(logits, distribution.min_p) if distribution.logit_min_p else min_p.apply(logits)
+        if distribution.logit_min_p:
+            logits = engine_steps.logit_min_p(logits, distribution.min_p, distribution.runner)
+        else:
+            logits = min_p.apply(logits)
         logits = top_k_top_p(logits, self.k, self.p)
         # the sampled token is always kept, at its value before the cuts (before the bans too, if they took it)
         after = logits.gather(1, ids)
@@ -318,16 +321,7 @@ class VllmSteps:
         changes no bit, and V2's kernel skips it): no pass over the vocabulary."""
         if self.distribution.temperature == 1.0:
             return logits
-        return engine_temperature.apply(logits, self.temperature[: logits.size(0)], self.distribution.runner)
-
-
-def _logit_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """vLLM's V2 runner's min-p (``vllm/v1/worker/gpu/sample/min_p.py``, ``_min_p_kernel``): a token whose float32
-    logit (after the temperature) is below the row's largest plus ``log(min_p)`` is cut, in place. V1's
-    ``MinPLogitsProcessor`` compares probabilities instead (``prob < min_p * max prob``): the same cut in exact
-    arithmetic, another one in float32 at the boundary token."""
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(torch.tensor(min_p, dtype=torch.float32))
-    return logits.masked_fill_(logits < threshold.to(logits.device), -math.inf)
+        return engine_steps.apply(logits, self.temperature[: logits.size(0)], self.distribution.runner)
 
 
 def _logsumexp_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

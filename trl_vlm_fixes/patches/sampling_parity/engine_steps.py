@@ -1,0 +1,95 @@
+"""The engine's temperature and min-p steps, applied to the trainer's float32 logits with the arithmetic the engine
+ran: their last bits decide vLLM's approximate top-p cut and min-p's boundary token, so the trainer runs the engine's
+own kernels, not a division or a threshold of its own.
+
+vLLM's V1 sampler divides each row by its request's float32 temperature tensor (``Sampler.apply_temperature``: IEEE
+division on every device) and cuts min-p with its ``MinPLogitsProcessor`` (prob < min_p * max prob). The V2 model
+runner does both in Triton kernels (``vllm/v1/worker/gpu/sample/gumbel.py``'s ``apply_temperature``, ``min_p.py``'s
+``apply_min_p``: logit < max logit + log(min_p)). Compiled for CUDA, Triton's float32 ``/`` is an approximate
+division (measured on an H100, docs/gpu-results.md section 14: a multiplication by the reciprocal, one ulp from IEEE
+division in many elements), which moved the top-p kernel's cut by 5-8 tokens in some rows (up to 0.027 nats per
+token), and ``tl.log`` may be approximate too. So on CUDA, where the engine runs V2, the trainer calls those same
+kernels; elsewhere V1's division (which is what V2's kernel computes in Triton's interpreter, bit for bit:
+``tests/test_v2_runner.py``) and V2's min-p rule in torch's float32. Torch's ``tensor / python_float`` would be
+neither on CUDA: it multiplies by the reciprocal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .distribution import V2_RUNNER
+
+V2_SAMPLE = "vllm.v1.worker.gpu.sample"
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@functools.cache
+def _v2_module(name: str) -> Any:
+    """One of V2's sampling modules where its kernels compile (vLLM has Triton), else None."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+
+        return importlib.import_module(f"{V2_SAMPLE}.{name}") if HAS_TRITON else None
+    except ImportError:
+        return None
+
+
+def v2_kernel() -> Kernel | None:
+    """vLLM's V2 temperature kernel (in place; it skips rows at temperature 0 or 1), or None."""
+    return getattr(_v2_module("gumbel"), "apply_temperature", None)
+
+
+def v2_min_p_kernel() -> Kernel | None:
+    """vLLM's V2 min-p kernel (in place; it skips rows whose min_p is 0), or None."""
+    return getattr(_v2_module("min_p"), "apply_min_p", None)
+
+
+def uses_v2_kernel(runner: str, device: torch.device) -> bool:
+    """The trainer runs V2's compiled kernels: the engine runs V2 and these logits are on a GPU that compiles them."""
+    return runner == V2_RUNNER and device.type == "cuda" and v2_kernel() is not None
+
+
+def _run(kernel: Kernel | None, logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One of V2's kernels on ``logits`` [rows, vocabulary], request i -> state i, in place."""
+    assert kernel is not None and logits.stride(1) == 1, "V2's kernels read each row at its stride, columns packed"
+    mapping = torch.arange(logits.size(0), dtype=torch.int32, device=logits.device)
+    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # Triton: current device
+        kernel(logits, mapping, values)
+    return logits
+
+
+def apply(logits: torch.Tensor, temperatures: torch.Tensor, runner: str) -> torch.Tensor:
+    """``logits`` [rows, vocabulary] float32 divided in place by ``temperatures`` [rows] float32 (on the logits'
+    device) with the engine's arithmetic. Returns ``logits``."""
+    if uses_v2_kernel(runner, logits.device):
+        return _run(v2_kernel(), logits, temperatures)
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.apply_temperature(logits, temperatures, True)
+
+
+def apply_scalar(logits: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
+    """``apply`` with one temperature for every row; nothing is done at temperature 1 (both runners skip it)."""
+    if temperature == 1.0:
+        return logits
+    temperatures = torch.full((logits.size(0),), temperature, dtype=torch.float32, device=logits.device)
+    return apply(logits, temperatures, runner)
+
+
+def logit_min_p(logits: torch.Tensor, min_p: float, runner: str) -> torch.Tensor:
+    """V2's min-p (a token whose float32 logit, after the temperature, is below the row's largest plus
+    ``log(min_p)`` is cut), in place: V2's own kernel on CUDA, its rule in torch's float32 elsewhere."""
+    if uses_v2_kernel(runner, logits.device) and v2_min_p_kernel() is not None:
+        values = torch.full((logits.size(0),), min_p, dtype=torch.float32, device=logits.device)
+        return _run(v2_min_p_kernel(), logits, values)
+    log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float32))  # float32's log, as the kernel's tl.log of min_p
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p.to(logits.device)
+    return logits.masked_fill_(logits < threshold, -math.inf)
