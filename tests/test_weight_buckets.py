@@ -501,3 +501,37 @@ def test_the_counting_engine_is_the_path_trl_pushes_through() -> None:
     engine = CountingEngine(SimpleNamespace(load_weights=lambda weights: {name for name, _ in weights}))
     model = engine.llm_engine.model_executor.driver_worker.model_runner.model
     assert model.load_weights([("x", torch.zeros(1))]) == {"x"} and engine.calls == [["x"]]
+
+
+def test_under_zero3_the_ranks_agree_on_the_bucket_size_or_push_as_trl(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two ranks under ZeRO-3 through torch's real key-value store (a ``HashStore``, as the rendezvous store is one):
+    the same bucket size on both, the buckets; another size, or a rank that never says (the fix off there), TRL's
+    per-parameter push on this rank with one WARNING, since a different number of gathers would hang the others."""
+    import torch.distributed as dist
+
+    generation = SimpleNamespace(_dist=SimpleNamespace(is_zero3=True))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(weight_buckets, "RANKS_WAIT_SECONDS", 0.2)
+    verdicts = []
+    for other in ("same", "other", None):
+        store = dist.HashStore()
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda store=store: store)
+        if other is not None:
+            store.set("trl_vlm_fixes/weight_buckets/rank1", str(4 * MIB if other == "same" else 8 * MIB))
+        monkeypatch.setattr(weight_buckets, "_ranks_verdict", [])
+        verdicts.append(weight_buckets.ranks_disagree(generation, 4 * MIB))
+        assert store.get("trl_vlm_fixes/weight_buckets/rank0").decode() == str(4 * MIB)  # this rank said its size
+    assert verdicts[0] is None
+    assert "rank 0: 4 MiB, rank 1: 8 MiB" in (verdicts[1] or "") and BUCKET_VARIABLE in (verdicts[1] or "")
+    assert "within 0.2 s" in (verdicts[2] or "")
+    assert weight_buckets.ranks_disagree(SimpleNamespace(_dist=SimpleNamespace(is_zero3=False)), 1) is None
+    # the wrapper: a disagreement runs TRL's own push (the wrapped function), once said
+    monkeypatch.setattr(weight_buckets, "aside_reason", lambda instance, wrapped: None)
+    pushed: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        weight_buckets.sync_weights_wrapper(lambda: pushed.append("trl"), generation, (), {})
+    assert pushed == ["trl"] and any("TRL's own push runs" in r.getMessage() for r in caplog.records)

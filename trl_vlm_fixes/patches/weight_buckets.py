@@ -265,10 +265,54 @@ def push_in_buckets(generation: Any, sync_weights: Callable[..., Any], limit: in
     )
 
 
+RANKS_WAIT_SECONDS = 120.0  # how long a rank waits for the others to say their bucket size, at the first push
+_ranks_verdict: list[str | None] = []  # this process's one verdict: None (the ranks agree) or why they do not
+
+
+def ranks_disagree(generation: Any, limit: int) -> str | None:
+    """Under DeepSpeed ZeRO-3 every rank must make the same gathers (collectives) in the same order: a rank with
+    another bucket size, or without the fix, would leave the others waiting in a gather. So at the first push each
+    rank puts its bucket size in torch's rendezvous key-value store and reads every rank's (a key-value exchange, not a
+    collective: a rank that never writes costs at most ``RANKS_WAIT_SECONDS``). None where they all said the same, or
+    where there is nothing to agree on (no ZeRO-3, one process); else the reason, and every rank then pushes as TRL
+    does. Decided once per process."""
+    if not getattr(getattr(generation, "_dist", None), "is_zero3", False):
+        return None
+    if _ranks_verdict:
+        return _ranks_verdict[0]
+    verdict = _compare_with_ranks(limit)
+    _ranks_verdict.append(verdict)
+    return verdict
+
+
+def _compare_with_ranks(limit: int) -> str | None:
+    from datetime import timedelta
+
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+            return None
+        store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        keys = [f"trl_vlm_fixes/weight_buckets/rank{peer}" for peer in range(world)]
+        store.set(keys[rank], str(limit))
+        store.wait(keys, timedelta(seconds=RANKS_WAIT_SECONDS))
+        said = {peer: store.get(key).decode() for peer, key in enumerate(keys)}
+    except Exception as error:  # noqa: BLE001 - a rank that never said (the fix off there, no plugin): TRL's push
+        return f"not every rank said its bucket size within {RANKS_WAIT_SECONDS:g} s under ZeRO-3 ({error!r})"
+    if len(set(said.values())) > 1:
+        sizes = ", ".join(f"rank {peer}: {int(size) / MIB:g} MiB" for peer, size in said.items())
+        return f"the ranks' bucket sizes differ under ZeRO-3 ({sizes}; set {BUCKET_VARIABLE} alike on every rank)"
+    return None
+
+
 def sync_weights_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     reason = "sync_weights called with arguments" if args or kwargs else aside_reason(instance, wrapped)
+    if reason is None and (disagreement := ranks_disagree(instance, bucket_bytes())):
+        warn_once(("weight_buckets", "ranks"), "steps aside: %s; TRL's own push runs", disagreement, logger=LOGGER)
+        return wrapped(*args, **kwargs)
     if reason is not None:
         warn_once(
             ("weight_buckets", reason),
