@@ -201,10 +201,14 @@ def aside_reason(generation: Any, sync_weights: Callable[..., Any] | None = None
     if push_param is None:
         return "this TRL's VLLMGeneration has no _push_param_to_vllm: not the push of TRL 1.9.1 this fix replays"
     is_peft_model = _trl_globals(function).get("is_peft_model")
-    if is_peft_model is None or is_peft_model(generation.model):
+    if is_peft_model is None:
+        return "TRL's sync_weights resolves no is_peft_model: not the push of TRL 1.9.1 this fix replays"
+    if is_peft_model(generation.model):
         return "a PEFT model: TRL gathers the whole model once, merges the adapters and pushes inside that gather"
     dist = getattr(generation, "_dist", None)
-    if dist is None or getattr(dist, "is_fsdp", True):
+    if dist is None or not hasattr(dist, "is_fsdp"):
+        return "this VLLMGeneration has no _dist.is_fsdp: not the push of TRL 1.9.1 this fix replays"
+    if dist.is_fsdp:
         return "FSDP: TRL's own module-by-module traversal pushes the weights"
     return None
 

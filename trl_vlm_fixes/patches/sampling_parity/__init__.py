@@ -157,8 +157,9 @@ def _server_runs_v1(generation: Any) -> bool:
         major, minor = (int(part) for part in version("vllm").split(".")[:2])
     except (PackageNotFoundError, ValueError):
         return False
-    config = getattr(getattr(generation, "model", None), "config", None)
-    as_dict = config.to_dict() if hasattr(config, "to_dict") else None
+    config: Any = getattr(getattr(generation, "model", None), "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    as_dict = to_dict() if callable(to_dict) else None
     if (major, minor) >= (0, 29) or not isinstance(as_dict, dict):
         return False
     return has_gated_deltanet(as_dict) or has_routed_experts(config)
