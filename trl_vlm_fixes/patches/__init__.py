@@ -23,7 +23,6 @@ from .expert_layout import ExpertLayoutError
 __all__ = ["ALL_FIXES", "ExpertLayoutError"]
 
 ALL_FIXES: tuple[Fix, ...] = (
-    weight_buckets.FIX,
     mm_realign.FIX,
     prompt_parity.FIX,
     sampling_parity.FIX,
@@ -33,5 +32,6 @@ ALL_FIXES: tuple[Fix, ...] = (
     gdn_prefill.FIX,
     expert_layout.FIX,
     vision_token_guard.FIX,
+    weight_buckets.FIX,
     watchdog.FIX,
 )
