@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..patches.sampling_parity import kernel_copy
+from ..patches.sampling_parity.engine_steps import V2_SAMPLE
 
-V2_SAMPLE = "vllm.v1.worker.gpu.sample"
 MODULES = ("gumbel", "min_p", "logprob")  # the temperature, min-p and log-softmax kernels
 _TRITON_IMPORT = re.compile(r"^from vllm\.triton_utils import [^\n]+$", re.MULTILINE)
 _REAL_TRITON = "import triton\nimport triton.language as tl\nHAS_TRITON = True\ntldevice = None"

@@ -146,16 +146,16 @@ def _server_runs_v1(generation: Any) -> bool:
     models neither hybrid nor MoE (Qwen3.5 and every MoE family keep V1), unless ``VLLM_USE_V2_MODEL_RUNNER`` is
     set."""
     import os
-    from importlib.metadata import PackageNotFoundError, version
 
     from ...model_facts import has_gated_deltanet
     from ...moe_backend import has_routed_experts
+    from ...versions import installed_version
 
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
         return os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     try:
-        major, minor = (int(part) for part in version("vllm").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
+        major, minor = (int(part) for part in (installed_version("vllm") or "").split(".")[:2])
+    except ValueError:  # not installed, or not a numbered release
         return False
     config: Any = getattr(getattr(generation, "model", None), "config", None)
     to_dict = getattr(config, "to_dict", None)
