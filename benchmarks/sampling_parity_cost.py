@@ -154,10 +154,14 @@ def core_of(checkout: str) -> Any:
 
 
 def scored(core: Any, hidden: Any, layer: Any, logits: Any, ids: Any, distribution: Any, trl_logps: Any) -> Any:
-    """The fix's work for one model call: TRL's logits read one completion at a time (a view each) as its output
-    layer's hook does, or the hidden states projected (TRL 1.16's fused head)."""
+    """The fix's work for one model call as its output layer's hook does it: TRL's logits read whole where only a ban
+    or nothing is at stake, else one completion at a time (a view each); or the hidden states projected (TRL 1.16's
+    fused head)."""
     if logits is None:
         return core.score(core.Positions(hidden, layer), ids, distribution, 1.0).finish(trl_logps)
+    if core.Scorer(distribution, 1.0).ban_alone:  # the hook scores the whole call at once (the rows' lengths)
+        whole = core.Positions(hidden, layer, logits, [logits.size(1)] * logits.size(0))
+        return core.score(whole, ids, distribution, 1.0).finish(trl_logps)
     parts = [
         core.score(core.Positions(hidden[row], layer, logits[row]), ids[row], distribution, 1.0)
         for row in range(logits.size(0))

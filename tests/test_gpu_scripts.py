@@ -239,3 +239,15 @@ def test_v2_sampler_kernels_script_dry_run(tmp_path: Path) -> None:
     for ulps in result["temperature_ulps"]:  # the interpreter divides as IEEE division does, the trainer as it
         assert ulps["max_ulps"] == 0 and ulps["trainer_elements_differing"] == 0, ulps
     assert "min-p boundary rows" in stdout
+
+
+def test_fused_logprob_check_script_dry_run(tmp_path: Path) -> None:
+    """The one-pass log-prob kernel (interpreted here) against the torch path: finite, within float32's rounding on
+    every setting, the completion's summed gap far below the 1e-4 the IS weight may move."""
+    report, stdout = _run(GPU / "fused_logprob_check.py", tmp_path / "fused.json", "--dry-run")
+    [result] = report["results"]
+    assert len(result["settings"]) == 5
+    for row in result["settings"]:
+        assert row["log_prob_finite"] and row["log_kept_finite"], row
+        assert row["log_prob_max"] < 4e-6 and row["log_prob_completion_sum_max"] < 1e-4, row
+    assert "fused ms" in stdout

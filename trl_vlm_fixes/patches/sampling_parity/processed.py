@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from . import engine_steps
+from . import engine_steps, fused_logprob
 from .distribution import SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
@@ -371,6 +371,8 @@ class Scorer:
         if self.ban_alone:
             if not self.distribution.banned and not positions.own_log_probs:  # TRL 1.16's fused head: its own
                 return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))
+            if positions.raw is not None and (kernel := fused_logprob.kernel(positions.raw)) is not None:
+                return self._fused(kernel, positions, ids)
             # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
             width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
             whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
@@ -382,6 +384,23 @@ class Scorer:
             steps = self.steps(logits.size(0), logits.size(1), logits.device)
             parts.append(steps.processed(logits, ids[index], own_normaliser))
         return Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
+
+    def _fused(self, kernel: Any, positions: Positions, ids: torch.Tensor) -> Scored:
+        """The ban alone (or nothing) at TRL's temperature, on TRL's logits on a GPU: one program per position reads
+        its logits (``fused_logprob``): the plain and the kept log-prob and the kept share, exact, in float32."""
+        assert positions.raw is not None
+        distribution = self.distribution
+        plain, kept, log_kept = fused_logprob.log_probs(
+            kernel,
+            positions.raw,
+            ids,
+            positions.lengths,
+            distribution.temperature,
+            distribution.runner,
+            distribution.banned,
+        )
+        nan = torch.full_like(plain, math.nan)
+        return Scored(kept, log_kept, nan, torch.full_like(plain, -math.inf), plain, nan)
 
     def _ban(self, positions: Positions, ids: torch.Tensor, chunks: list[slice]) -> Scored:
         """The ban alone (or nothing) at TRL's temperature, from gathers: the sampled token's logit and the banned

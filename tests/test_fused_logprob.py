@@ -1,0 +1,126 @@
+"""sampling_parity's one-pass log-prob kernel (``fused_logprob``), run by Triton's interpreter: it gives what the
+torch path gives (vLLM's float32 arithmetic) where nothing is cut or a ban alone, and the scorer takes it wherever
+the kernel is there for TRL's logits (on a GPU: compiled; its GPU record is benchmarks/gpu/fused_logprob_check.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from trl_vlm_fixes.patches.sampling_parity import fused_logprob, kernel_copy, processed
+from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER, SamplingDistribution
+
+VOCABULARY = 2048
+PLACEHOLDERS = tuple(range(VOCABULARY - 8, VOCABULARY))
+
+
+class Interpreted:
+    """The kernel built and launched in Triton's interpreter; counts the positions its launches covered."""
+
+    def __init__(self) -> None:
+        import triton
+
+        with kernel_copy.interpreting():
+            self.kernel = triton.jit(fused_logprob.body)
+        self.positions = 0
+
+    def __getitem__(self, grid: tuple[int]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.positions += grid[0]
+            with kernel_copy.interpreting():
+                self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> Interpreted:
+    if fused_logprob.triton is None:
+        pytest.skip("no Triton")
+    return Interpreted()
+
+
+def bf16_logits(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trained model's spread (~2.5 nats) on bf16's grid; tokens sampled from it; a placeholder on top in every 8th
+    position (the ban holds most of the mass there) and sampled in others (a banned token sampled is kept)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows, width, VOCABULARY, generator=generator) * 2.5).to(torch.bfloat16)
+    logits[:, ::8, VOCABULARY - 1] = 30.0
+    probabilities = torch.softmax(logits.float().view(-1, VOCABULARY), dim=-1)
+    ids = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+    ids[::8] = 5  # an ordinary token sampled where a placeholder holds most of the mass
+    ids[3::8] = PLACEHOLDERS[2]
+    return logits, ids
+
+
+def scored(
+    logits: torch.Tensor, ids: torch.Tensor, distribution: SamplingDistribution, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scorer's (shift + TRL's log-prob, log_kept) for TRL's whole call, as the output layer's hook scores it."""
+    positions = processed.Positions(logits[:, :, :1].float(), None, logits, lengths)
+    trl = torch.full((ids.numel(),), -3.0)
+    shift, log_kept = processed.Scorer(distribution, distribution.temperature).score(positions, ids).finish(trl)
+    return shift + trl, log_kept
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "runner": V1_RUNNER},
+        {"temperature": 0.7, "runner": V2_RUNNER},
+        {"temperature": 1.0, "banned": PLACEHOLDERS},
+        {"temperature": 0.8, "banned": PLACEHOLDERS, "runner": V2_RUNNER},
+    ],
+    ids=["plain", "t0.7-v1", "t0.7-v2", "ban", "ban-t0.8-v2"],
+)
+def test_the_kernel_gives_the_torch_paths_log_probs(
+    settings: dict[str, Any], interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same log-probs and kept shares as the torch path (vLLM's float32 log_softmax; with a ban, full rows where it
+    holds most of the mass) within float32's rounding, no bias; TRL's own past each completion's end."""
+    distribution = SamplingDistribution(**settings)
+    logits, ids = bf16_logits(3, 48)
+    lengths = [48, 30, 7]
+    torch_path = scored(logits, ids, distribution, lengths)
+    monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: interpreted)
+    before = interpreted.positions
+    fused = scored(logits, ids, distribution, lengths)
+    assert interpreted.positions - before == ids.numel(), "the scorer took the kernel, one program per position"
+    ends = torch.arange(48)[None, :] < torch.tensor(lengths)[:, None]
+    scored_positions = ends.reshape(-1)
+    assert int(scored_positions.sum()) == 85
+    for ours, theirs in zip(fused, torch_path, strict=True):
+        assert torch.isfinite(ours[scored_positions]).all() and torch.isfinite(theirs[scored_positions]).all()
+        gap = (ours - theirs)[scored_positions].double()
+        assert gap.abs().max() < 4e-6, gap.abs().max()
+        assert abs(float(gap.mean())) < 5e-7
+    assert (fused[0][~scored_positions] == -3.0).all(), "padding keeps TRL's log-prob"
+    if distribution.banned:  # the ban took mass: the kept share is below 1 where a placeholder is on top
+        dominant = torch.zeros(3, 48, dtype=torch.bool)
+        dominant[:, ::8] = True
+        dominant = dominant.reshape(-1) & scored_positions
+        assert bool(dominant.any()) and (fused[1][dominant] < -10).all()
+        assert (fused[1][scored_positions] <= 0).all()
+
+
+def test_the_kernel_applies_the_engines_temperature_step(interpreted: Interpreted) -> None:
+    """At a temperature other than 1 the kernel divides (break it: drop the division, and this fails); at 1 the
+    log-prob is the plain log-softmax."""
+    logits, ids = bf16_logits(1, 16)
+    for temperature in (1.0, 0.6):
+        with torch.no_grad():
+            plain, kept, log_kept = fused_logprob.log_probs(interpreted, logits, ids, None, temperature, V1_RUNNER)
+        scaled = logits.float().view(-1, VOCABULARY) / torch.tensor(temperature)
+        reference = torch.log_softmax(scaled, dim=-1).gather(1, ids[:, None]).squeeze(1)
+        assert (plain - reference).abs().max() < 4e-6
+        assert kept is plain and (log_kept == 0).all()
+    assert math.isfinite(float(plain.sum()))
+
+
+def test_no_kernel_for_cpu_logits() -> None:
+    """On the CPU the torch path runs (the compiled kernel is for CUDA tensors only)."""
+    assert fused_logprob.kernel(torch.zeros(1, 1, 4)) is None
