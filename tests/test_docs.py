@@ -270,9 +270,13 @@ def family_configs() -> dict[str, dict[str, object]]:
 
 
 def acting_families(fix: Fix, mode: str, sleep_mode: bool, configs: dict[str, dict[str, object]]) -> list[str]:
-    """The families ``fix`` acts for in ``mode``, by its declaration alone (no question asked of this machine)."""
+    """The families ``fix`` acts for in ``mode``, by its declaration alone: its ``applicability`` data (families,
+    modes, sleep mode; ``tests/test_applicability.py`` checks its rule agrees on these configs), or, for a fix that
+    declares none yet, its ``applies`` asked of each family's config (no question asked of this machine)."""
     from trl_vlm_fixes.declaration import Plan
 
+    if fix.applicability is not None:
+        return [name for name in configs if fix.applicability.acts(mode, name, sleep_mode)]
     return [name for name, config in configs.items() if fix.applies(Plan(config, mode, sleep_mode, here=False)) is None]
 
 
@@ -290,8 +294,8 @@ def mode_cell(fix: Fix, mode: str, configs: dict[str, dict[str, object]]) -> str
 
 
 def test_readme_fix_by_mode_table_is_the_declarations() -> None:
-    """Each cell is what the fix's own `applies` says for the five families' configs: a declaration that changes
-    fails here until README's table says the same."""
+    """Each cell is what the fix's declared `applicability` says for the five families (its `applies` where it
+    declares none): a declaration that changes fails here until README's table says the same."""
     configs = family_configs()
     expected = [
         f"| `{fix.name}` | "
@@ -307,7 +311,7 @@ def test_readme_fix_by_mode_table_is_the_declarations() -> None:
 
 def test_readme_model_table_is_the_declarations() -> None:
     """The model table's fixes that depend on the layers: those that act for that family (colocate, sleep mode)
-    and not for every family, by each fix's `applies`."""
+    and not for every family, by each fix's declared `applicability` (its `applies` where it declares none)."""
     configs = family_configs()
     acting = {fix.name: acting_families(fix, "colocate", True, configs) for fix in ALL_FIXES}
     names = {fix.name for fix in ALL_FIXES}

@@ -2,8 +2,9 @@
 
 ``trl-vlm-fixes status --model PATH --mode colocate|server|none`` and ``trl_vlm_fixes.applicability(...)``. The
 verdicts come from the fixes' own declarations (``Fix.applies``, the same question as their ``scope`` asked of a plan:
-the checkpoint's ``config.json`` and the mode), never from a table kept here; a fix the installed stack turns off,
-cannot wrap or no longer needs (its state in ``status``) steps aside with that state's reason.
+the checkpoint's ``config.json`` and the mode, derived from the data each declares in ``Fix.applicability``: its
+families, modes, sleep mode, with the reason of each exclusion), never from a table kept here; a fix the installed
+stack turns off, cannot wrap or no longer needs (its state in ``status``) steps aside with that state's reason.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ FIX = Fix(
     settings=(MODE,),
     selftest="trl_vlm_fixes.selftest.checks.cudagraph:check",
     scope=scope,
-    applies=gated_deltanet_engine,
+    applicability=gated_deltanet_engine(),
     protected=((Level.ENGINE_HANG, "mode", HANG_MODE), (Level.REPEATED_HANG, "mode", PROTECTED_MODE)),
     server_advice=server_advice,
 )

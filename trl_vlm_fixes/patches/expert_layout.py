@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..declaration import Fix, Plan
+from ..declaration import VLLM_MODES, Applicability, Fix, Plan
 from ..engine_args import EngineBuild, EngineContribution, served_model_config
 from ..logs import fix_logger
 from ..moe_backend import (
@@ -31,7 +31,6 @@ from ..moe_backend import (
     has_routed_experts,
     rearranging_moe_backend,
 )
-from ..plan_rules import without_vllm
 from ..vllm_arguments import engine_argument_problem
 
 LOGGER = fix_logger(__name__)
@@ -137,11 +136,9 @@ def scope(trainer: Any) -> str | None:
     return kept_layout({}, config)
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists: routed experts in the config; in colocate mode, where ``plan.here``,
-    the backend vLLM would pick on this machine (server mode: decided on the server's GPU)."""
-    if reason := without_vllm(plan, "no vLLM engine"):
-        return reason
+def served_routed_experts(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists, past the mode: routed experts in the config; in colocate mode, where
+    ``plan.here``, the backend vLLM would pick on this machine (server mode: decided on the server's GPU)."""
     if not has_routed_experts(plan.config):
         return f"the served model {NO_ROUTED_EXPERTS}"
     if plan.mode == "server" or not plan.here:
@@ -159,5 +156,10 @@ FIX = Fix(
     ),
     selftest="trl_vlm_fixes.selftest.checks.expert_layout:check",
     scope=scope,
-    applies=applies,
+    applicability=Applicability(
+        modes=VLLM_MODES,
+        aside={"none": "no vLLM engine"},
+        families=("qwen3_5_moe", "qwen3_vl_moe"),
+        checkpoint=served_routed_experts,
+    ),
 )

@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ..declaration import Fix, ServerAdvice
+from ..declaration import Fix, ServerAdvice, VersionBound
 from ..engine_args import EngineBuild, EngineContribution, gated_deltanet_scope, serves_gated_deltanet
 from ..plan_rules import gated_deltanet_engine
 from ..protection import Level
@@ -73,6 +73,8 @@ def read_back(engine: Any) -> tuple[str, list[str]] | None:
 # The first FlashInfer without the SM90 C++ prefill kernel that hangs, and the first vLLM that pins it
 FIXED_FLASHINFER = "0.6.14"
 FIXED_VLLM = "0.26.0"
+# where the hang exists: a vLLM before the pin, or an older FlashInfer installed (``kernel_gone_reason`` asks them)
+HANG_VERSIONS = (VersionBound("vllm", FIXED_VLLM), VersionBound("flashinfer-python", FIXED_FLASHINFER))
 
 
 def kernel_gone_reason() -> str | None:
@@ -121,7 +123,7 @@ FIX = Fix(
     settings=(BACKEND,),
     selftest="trl_vlm_fixes.selftest.checks.gdn_prefill:check",
     scope=scope,
-    applies=gated_deltanet_engine,
+    applicability=gated_deltanet_engine(*HANG_VERSIONS),
     protected=((Level.ENGINE_HANG, "backend", PROTECTED_BACKEND),),
     server_advice=server_advice,
 )

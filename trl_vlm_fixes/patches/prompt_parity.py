@@ -31,11 +31,10 @@ from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
-from ..declaration import Counter, Fix, Plan, Target
+from ..declaration import VLLM_MODES, Applicability, Counter, Fix, Plan, Target
 from ..log_once import warn_once
 from ..logs import fix_logger
 from ..model_facts import markers_problem as config_markers_problem
-from ..plan_rules import without_vllm
 from ..source_shape import calls_method, function_tree, string_constants
 from ..vision_tokens import markers_problem, vision_tokens
 
@@ -163,10 +162,8 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists: the mode, and the model type's ``get_rope_index`` from its config."""
-    if reason := without_vllm(plan, "TRL sends vLLM no prompt"):
-        return reason
+def config_markers(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists, past the mode: the model type's ``get_rope_index`` from its config."""
     if problem := config_markers_problem(plan.config):
         return f"{problem}; the parity check still runs"
     return None
@@ -431,5 +428,7 @@ FIX = Fix(
     counters=(PROMPT_MISMATCH_ROWS,),
     selftest="trl_vlm_fixes.selftest.checks.prompt_parity:check",
     scope=scope,
-    applies=applies,
+    applicability=Applicability(
+        modes=VLLM_MODES, aside={"none": "TRL sends vLLM no prompt"}, checkpoint=config_markers
+    ),
 )

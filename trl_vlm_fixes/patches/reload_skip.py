@@ -35,11 +35,10 @@ from typing import Any
 import wrapt
 
 from .. import metrics
-from ..declaration import Counter, Fix, Plan, Target, on_trainers
+from ..declaration import Applicability, Counter, Fix, Target, VersionBound, on_trainers
 from ..log_once import warn_once
 from ..logs import fix_logger
 from ..owner_state import OwnerState
-from ..plan_rules import without_colocated_sleep, without_vllm
 from ..registry import value
 from ..source_shape import calls_method, function_tree
 from ..switches import boolean
@@ -300,13 +299,6 @@ def scope(trainer: Any) -> str | None:
 _CHECKS: dict[str, Any] = {"shape_problem": _reload_shape, "upstream_fixed": _upstream_repushes}
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists: only TRL's colocated engine with sleep mode reloads from disk."""
-    return without_vllm(plan, "no vLLM engine to reload") or without_colocated_sleep(
-        plan, "TRL reloads nothing from disk"
-    )
-
-
 FIX = Fix(
     name="reload_skip",
     summary="no disk reload in colocate + sleep mode; re-push trained weights whenever sleep discarded them",
@@ -320,5 +312,12 @@ FIX = Fix(
     counters=(WEIGHT_REPUSHES, DISK_RELOADS_SKIPPED),
     selftest="trl_vlm_fixes.selftest.checks.reload_skip:check",
     scope=scope,
-    applies=applies,
+    # ``scope`` before the trainer exists: only TRL's colocated engine with sleep mode reloads from disk; TRL 1.16
+    # re-pushes itself (``_upstream_repushes``)
+    applicability=Applicability(
+        modes=("colocate",),
+        sleep_mode=True,
+        aside={"none": "no vLLM engine to reload", "sleep_mode": "TRL reloads nothing from disk"},
+        versions=(VersionBound("trl", "1.16.0"),),
+    ),
 )

@@ -37,7 +37,7 @@ from typing import Any
 
 from .. import metrics
 from ..call_arguments import bind
-from ..declaration import Counter, Fix, Plan, Target, on_trainers
+from ..declaration import Applicability, Counter, Fix, Plan, Target, on_trainers
 from ..engine_args import server_is_calling
 from ..log_once import warn_once
 from ..logs import fix_logger
@@ -390,7 +390,7 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
-def applies(plan: Plan) -> str | None:
+def config_placeholders(plan: Plan) -> str | None:
     """``scope`` before the trainer exists: the placeholders a checkpoint's config declares (every sampling path)."""
     if not vision_placeholders(plan.config) and "vision_config" not in plan.config:
         return "its config defines no vision placeholder token (a text-only model)"
@@ -416,5 +416,5 @@ FIX = Fix(
     counters=(VISION_TOKEN_ROWS_MASKED,),
     selftest="trl_vlm_fixes.selftest.checks.vision_token_guard:check",
     scope=scope,
-    applies=applies,
+    applicability=Applicability(checkpoint=config_placeholders),
 )

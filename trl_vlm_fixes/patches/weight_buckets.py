@@ -33,10 +33,9 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..declaration import Fix, Plan, Target
+from ..declaration import Applicability, Fix, Target
 from ..log_once import warn_once
 from ..logs import fix_logger
-from ..plan_rules import without_vllm
 from ..registry import value
 from ..source_shape import calls_method, function_tree
 from ..switches import Setting, SwitchValueError
@@ -337,13 +336,14 @@ def scope(trainer: Any) -> str | None:
     return aside_reason(generation)
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists (PEFT and FSDP are not part of a plan: the trainer-start line says)."""
-    if reason := without_vllm(plan, "no weight push"):
-        return reason
-    if plan.mode != "colocate":
-        return f"{plan.mode} mode: TRL pushes through its server client, left as it is"
-    return installed_shape_problem()
+# ``scope`` before the trainer exists: TRL's colocated push, where it is TRL 1.9.1's loop (PEFT and FSDP are not part
+# of a plan: the trainer-start line says)
+APPLICABILITY = Applicability(
+    modes=("colocate",),
+    aside={"none": "no weight push", "server": "TRL pushes through its server client, left as it is"},
+    installed=installed_shape_problem,
+)
+applies = APPLICABILITY.reason
 
 
 FIX = Fix(
@@ -354,5 +354,5 @@ FIX = Fix(
     settings=(BUCKET_MB,),
     selftest="trl_vlm_fixes.selftest.checks.weight_buckets:check",
     scope=scope,
-    applies=applies,
+    applicability=APPLICABILITY,
 )

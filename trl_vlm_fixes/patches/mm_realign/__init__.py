@@ -21,7 +21,7 @@ from typing import Any
 
 from ... import metrics
 from ...call_arguments import bind
-from ...declaration import Counter, Fix, Plan, on_trainers
+from ...declaration import Applicability, Counter, Fix, Plan, on_trainers
 from ...log_once import warn_once
 from ...logs import fix_logger
 from ...model_facts import markers_problem as config_markers_problem
@@ -69,8 +69,9 @@ def scope(trainer: Any) -> str | None:
     return _steps_aside(model, vision_tokens(getattr(trainer, "processing_class", None), model, trainer))
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists: the model type's ``get_rope_index`` and placeholders, from its config."""
+def config_markers(plan: Plan) -> str | None:
+    """``scope`` before the trainer exists (every mode): the model type's ``get_rope_index`` and placeholders, from
+    its config."""
     if problem := config_markers_problem(plan.config):
         return problem
     if shares_one_placeholder(plan.config):
@@ -127,5 +128,5 @@ FIX = Fix(
     counters=(REALIGNED_ROWS,),
     selftest="trl_vlm_fixes.selftest.checks.mm_realign:check",
     scope=scope,
-    applies=applies,
+    applicability=Applicability(checkpoint=config_markers),
 )

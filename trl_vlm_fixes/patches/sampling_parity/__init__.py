@@ -52,10 +52,9 @@ from typing import Any
 
 from ... import metrics
 from ...call_arguments import bind
-from ...declaration import Counter, Fix, Target, on_trainers
+from ...declaration import VLLM_MODES, Applicability, Counter, Fix, Target, on_trainers
 from ...log_once import warn_once
 from ...logs import fix_logger
-from ...plan_rules import vllm_logprobs_compared
 from ...source_shape import function_tree, string_constants
 from .distribution import (
     V1_RUNNER,
@@ -609,5 +608,7 @@ FIX = Fix(
     counters=(SAMPLING_KEPT_MASS,),
     selftest="trl_vlm_fixes.selftest.checks.sampling_parity:check",
     scope=scope,
-    applies=vllm_logprobs_compared,
+    applicability=Applicability(
+        modes=VLLM_MODES, aside={"none": "TRL samples with transformers and compares no vLLM log-probs"}
+    ),
 )

@@ -26,11 +26,10 @@ from typing import Any
 
 import wrapt
 
-from ...declaration import Fix, Plan, Target
+from ...declaration import Applicability, Fix, Plan, Target
 from ...logs import fix_logger
 from ...model_facts import deepstack_levels
 from ...owner_state import OwnerState
-from ...plan_rules import without_colocated_sleep, without_vllm
 
 LOGGER = fix_logger(__name__)
 _MODULE = "trl.generation.vllm_generation"
@@ -131,13 +130,9 @@ def scope(trainer: Any) -> str | None:
     return None
 
 
-def applies(plan: Plan) -> str | None:
-    """``scope`` before the trainer exists: colocate with sleep mode, and a served model with deepstack tensors (an
-    fp8 KV cache with computed scales has others, set by engine arguments, not the checkpoint)."""
-    if reason := without_vllm(plan, "no vLLM engine to wake") or without_colocated_sleep(
-        plan, "the engine's memory is never released"
-    ):
-        return reason
+def served_deepstack(plan: Plan) -> str | None:
+    """A served model with deepstack tensors (an fp8 KV cache with computed scales has others, set by engine
+    arguments, not the checkpoint)."""
     if not deepstack_levels(plan.config):
         kind = plan.config.get("model_type")
         return f"model type {kind!r} has no tensor outside its parameters and buffers that a forward reads"
@@ -157,5 +152,12 @@ FIX = Fix(
     targets=_TARGETS,
     selftest="trl_vlm_fixes.selftest.checks.wake_reset:check",
     scope=scope,
-    applies=applies,
+    # ``scope`` before the trainer exists: colocate with sleep mode, a served model with deepstack tensors
+    applicability=Applicability(
+        modes=("colocate",),
+        sleep_mode=True,
+        aside={"none": "no vLLM engine to wake", "sleep_mode": "the engine's memory is never released"},
+        families=("qwen3_vl", "qwen3_vl_moe"),
+        checkpoint=served_deepstack,
+    ),
 )

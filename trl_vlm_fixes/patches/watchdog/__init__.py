@@ -15,8 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ...declaration import Fix, Target
-from ...plan_rules import watched_calls
+from ...declaration import VLLM_MODES, Applicability, Fix, Target
 from ...registry import value
 from ...switches import Setting, SwitchValueError
 from . import engine, limits, owners
@@ -122,6 +121,7 @@ FIX = Fix(
     ),
     settings=(RESUME,),
     switch_setting=SECONDS,
-    applies=watched_calls,
+    # it watches vLLM's engine and server calls; without vLLM there are none
+    applicability=Applicability(modes=VLLM_MODES, aside={"none": "no vLLM engine or server call to watch"}),
     at_trainer_start=at_trainer_start,
 )
