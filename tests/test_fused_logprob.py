@@ -43,6 +43,12 @@ def interpreted() -> Interpreted:
     return Interpreted()
 
 
+@pytest.fixture(autouse=True)
+def fresh_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a new process does: the kernel not yet judged."""
+    monkeypatch.setattr(fused_logprob, "verdict", fused_logprob.Verdict())
+
+
 def bf16_logits(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A trained model's spread (~2.5 nats) on bf16's grid; tokens sampled from it; a placeholder on top in every 8th
     position (the ban holds most of the mass there) and sampled in others (a banned token sampled is kept)."""
@@ -119,6 +125,65 @@ def test_the_kernel_applies_the_engines_temperature_step(interpreted: Interprete
         assert (plain - reference).abs().max() < 4e-6
         assert kept is plain and (log_kept == 0).all()
     assert math.isfinite(float(plain.sum()))
+
+
+class Broken:
+    """A build whose launches write nothing sensible (zeros), or raise."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises = raises
+        self.launches = 0
+
+    def __getitem__(self, grid: tuple[int]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches += 1
+            if self.raises:
+                raise RuntimeError("PTX assembly failed")
+            for output in args[8:11]:
+                output.zero_()
+
+        return launch
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["wrong-values", "fails"])
+def test_a_kernel_that_fails_or_disagrees_leaves_the_torch_path(
+    raises: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first call judges the build against the torch path: a build that raises or disagrees is refused with one
+    WARNING, that call and every later one get the torch path's values, and it is never launched again."""
+    distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)
+    logits, ids = bf16_logits(2, 16)
+    expected = scored(logits, ids, distribution, [16, 16])
+    broken = Broken(raises)
+    monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: broken)
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        first = scored(logits, ids, distribution, [16, 16])
+        second = scored(logits, ids, distribution, [16, 16])
+    assert broken.launches == 1 and fused_logprob.verdict.trusted is False
+    warnings = [r.getMessage() for r in caplog.records if "log-prob kernel is not used" in r.getMessage()]
+    assert len(warnings) == 1 and ("PTX assembly failed" in warnings[0] or "differ from the torch path" in warnings[0])
+    for result in (first, second):
+        for ours, theirs in zip(result, expected, strict=True):
+            assert torch.equal(ours, theirs)
+
+
+def test_a_trusted_kernel_is_judged_once(
+    interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first call compares with the torch path (one INFO line); later calls run the kernel alone."""
+    distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)
+    logits, ids = bf16_logits(2, 16)
+    monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: interpreted)
+    torch_path_calls = []
+    original_ban = processed.Scorer._ban
+    monkeypatch.setattr(
+        processed.Scorer, "_ban", lambda self, *args: torch_path_calls.append(1) or original_ban(self, *args)
+    )
+    with caplog.at_level("INFO", logger="trl_vlm_fixes"):
+        for _ in range(3):
+            scored(logits, ids, distribution, [16, 16])
+    assert fused_logprob.verdict.trusted is True and len(torch_path_calls) == 1
+    assert sum("agrees with the torch path" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_no_kernel_for_cpu_logits() -> None:

@@ -20,10 +20,12 @@ compiles (``kernel()``), else the torch path runs; tests pass an interpreted bui
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 
+from ...logs import fix_logger
 from .distribution import V2_RUNNER
 
 try:
@@ -34,6 +36,54 @@ except ImportError:  # pragma: no cover - every stack the fix supports has Trito
     triton = tl = libdevice = None
 
 BLOCK = 4096  # logits per step of a program (a power of two)
+_logger = fix_logger(__name__)
+
+
+class Verdict:
+    """Whether this process uses the compiled kernel: judged once, on its first call, against the torch path on the
+    same positions (float32 rounding gives gaps of ~1e-6 nats; a wrong build far more), or refused where it failed to
+    build or run. A refusal is one WARNING, and the torch path (same values, more passes over memory) from then on."""
+
+    TOLERANCE = 1e-4  # nats per token
+
+    def __init__(self) -> None:
+        self.trusted: bool | None = None
+
+    def judge(
+        self,
+        fused: tuple[torch.Tensor, torch.Tensor],
+        torch_path: tuple[torch.Tensor, torch.Tensor],
+        scored: torch.Tensor,
+    ) -> None:
+        """Compare (log-prob, log of the kept share) of both paths at the ``scored`` positions (none: no verdict)."""
+        count = int(scored.sum())
+        if count == 0:
+            return
+        gaps = [(ours - theirs)[scored].abs().max() for ours, theirs in zip(fused, torch_path, strict=True)]
+        worst = float(torch.stack(gaps).max())
+        if math.isfinite(worst) and worst <= self.TOLERANCE:
+            self.trusted = True
+            _logger.info(
+                "the one-pass float32 log-prob kernel agrees with the torch path on its first %d positions "
+                "(largest gap %.2g nats): it scores from now on",
+                count,
+                worst,
+            )
+        else:
+            self.refuse(
+                f"its log-probs differ from the torch path's by {worst:.3g} nats on its first {count} positions"
+            )
+
+    def refuse(self, reason: str) -> None:
+        self.trusted = False
+        _logger.warning(
+            "the one-pass float32 log-prob kernel is not used in this process: %s; the torch path scores instead "
+            "(the same log-probs, more passes over the logits)",
+            reason,
+        )
+
+
+verdict = Verdict()
 
 
 def body(

@@ -372,7 +372,9 @@ class Scorer:
             if not self.distribution.banned and not positions.own_log_probs:  # TRL 1.16's fused head: its own
                 return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))
             if positions.raw is not None and (kernel := fused_logprob.kernel(positions.raw)) is not None:
-                return self._fused(kernel, positions, ids)
+                fused = self._fused_checked(kernel, positions, ids)
+                if fused is not None:
+                    return fused
             # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
             width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
             whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
@@ -384,6 +386,24 @@ class Scorer:
             steps = self.steps(logits.size(0), logits.size(1), logits.device)
             parts.append(steps.processed(logits, ids[index], own_normaliser))
         return Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
+
+    def _fused_checked(self, kernel: Any, positions: Positions, ids: torch.Tensor) -> Scored | None:
+        """The kernel's ``Scored``, or None where the torch path must run: the kernel failed, or (on its first call in
+        the process) disagreed with the torch path on the same positions (``fused_logprob.verdict``)."""
+        if fused_logprob.verdict.trusted is False:
+            return None
+        try:
+            fused = self._fused(kernel, positions, ids)
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot build or run leaves the torch path
+            fused_logprob.verdict.refuse(f"the kernel failed: {error!r}")
+            return None
+        if fused_logprob.verdict.trusted is None:
+            reference = self._ban(positions, ids, [slice(0, len(positions))])
+            trl = torch.zeros_like(fused.plain)
+            fused_logprob.verdict.judge(fused.finish(trl), reference.finish(trl), positions.scored(trl.device))
+            if not fused_logprob.verdict.trusted:
+                return reference
+        return fused
 
     def _fused(self, kernel: Any, positions: Positions, ids: torch.Tensor) -> Scored:
         """The ban alone (or nothing) at TRL's temperature, on TRL's logits on a GPU: one program per position reads
