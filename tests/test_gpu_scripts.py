@@ -250,4 +250,4 @@ def test_fused_logprob_check_script_dry_run(tmp_path: Path) -> None:
     for row in result["settings"]:
         assert row["log_prob_finite"] and row["log_kept_finite"], row
         assert row["log_prob_max"] < 4e-6 and row["log_prob_completion_sum_max"] < 1e-4, row
-    assert "fused ms" in stdout
+    assert report["kernel_trusted"] is True and "fused ms" in stdout

@@ -130,8 +130,10 @@ def main() -> None:
         "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
         "results": [measure(rows, width, vocabulary, device) for rows, width, vocabulary in shapes],
     }
+    # the scorer judges the kernel once against the torch path: refused, the "fused" figures would be the torch path's
+    report["kernel_trusted"] = fused_logprob.verdict.trusted
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(report["device"])
+    print(f"{report['device']}; the kernel trusted by the scorer's first-call check: {report['kernel_trusted']}")
     print(f"{'shape':>18} {'settings':<62} {'max':>9} {'bias':>9} {'sum max':>9} {'torch ms':>9} {'fused ms':>9}")
     for result in report["results"]:
         shape = f"{result['rows']}x{result['width']}x{result['vocabulary']}"
