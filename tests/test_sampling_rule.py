@@ -37,10 +37,11 @@ def kernel_copy_runs() -> None:
 
 @pytest.fixture
 def batch_threshold_dispatch(kernel_copy_runs: None) -> None:
-    """The path-by-step-size bug exists only where vLLM's dispatch compares the step's size (0.25.1; not 0.31)."""
+    """The path-by-step-size bug exists only where vLLM's dispatch compares the step's size (0.25.1; not 0.31, whose
+    kernel picks its top-p rule by the call's size instead: tests/test_kernel_copy_031.py)."""
     import vllm.v1.sample.ops.topk_topp_sampler as sampler_module
 
-    if engine_sampler.every_step_on_kernel(sampler_module.apply_top_k_top_p):
+    if not engine_sampler.compares_step_size(sampler_module.apply_top_k_top_p):
         pytest.skip("the installed vLLM sends every step through its kernel itself")
 
 
@@ -311,8 +312,10 @@ def test_the_rule_is_the_kernel_the_stand_in_engine_runs(
     rows = torch.cat([bf16_rows(5, seed=1), tie_row()[None]])
     k = None if top_k is None else torch.full((6,), top_k, dtype=torch.int32)
     p = None if top_p is None else torch.full((6,), top_p)
-    with cuda_dispatch():
-        engine = vars(importlib.import_module(SAMPLER_MODULE))["apply_top_k_top_p_triton"](rows.clone(), k, p)
+    with cuda_dispatch():  # the kernel the stand-in's step calls, as the wrapper applies it (vLLM 0.31: top-p alone
+        # to its monolithic kernel; 0.25.1: the kernel itself)
+        kernel = vars(importlib.import_module(SAMPLER_MODULE))["apply_top_k_top_p_triton"]
+        engine = vllm_rule.apply_kernel(kernel, rows.clone(), k, p)
     assert vllm_rule.engine_path() == "triton"
     assert torch.equal(vllm_rule.top_k_top_p(rows.clone(), k, p), engine)
 
@@ -331,8 +334,13 @@ def test_the_interpreter_block_computes_what_triton_in_interpreter_mode_computes
         import torch, triton, triton.language as tl
         source = open(importlib.util.find_spec("{kernel_copy.KERNEL_MODULE}").origin).read()
         source = source.replace("row_id.to(tl.int64)", "tl.cast(row_id, tl.int64)")
+        source = source.replace("row.to(tl.int64)", "tl.cast(row, tl.int64)")  # vLLM 0.31's split pipeline
         shim = types.ModuleType("vllm.triton_utils"); shim.triton, shim.tl = triton, tl
         import vllm.triton_utils
+        try:  # vLLM 0.31's warm-up dispatchers, imported as vLLM imports them (before the shim)
+            import vllm.model_executor.warmup.jit_warmup_triton_helper
+        except ImportError:
+            pass
         saved, sys.modules["vllm.triton_utils"] = sys.modules["vllm.triton_utils"], shim
         path = {str(tmp_path / "kernel.py")!r}
         open(path, "w").write(source)
@@ -378,8 +386,8 @@ def test_the_copy_runs_with_the_tiles_vllm_picks_for_that_device(
 def test_where_no_kernel_copy_runs_the_rule_and_the_stand_in_take_vllms_sort_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A vLLM whose kernel the copy was not proven on (0.31 here, or any other file): both sides take the sort path,
-    and the reason is in the rule's line."""
+    """A vLLM whose kernel the copy was not proven on (any file but 0.25.1's and 0.31.0's): both sides take the sort
+    path, and the reason is in the rule's line."""
     pytest.importorskip("vllm")
     from vllm import SamplingParams
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
@@ -419,6 +427,12 @@ DISPATCH_0_31 = """
         is_cpu = current_platform.is_cpu()
         return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=is_cpu)
 """
+SPLIT_KERNEL_0_31 = """
+    _SPLIT_MAX_BATCH = 64
+
+    def apply_top_k_top_p_triton(logits, k, p):
+        return logits
+"""
 DISPATCH_OTHER = """
     def apply_top_k_top_p(logits, k, p):
         return flashinfer_top_k_top_p(logits, k, p)
@@ -427,12 +441,19 @@ DISPATCH_OTHER = """
 
 @pytest.mark.parametrize(
     ("source", "problem", "not_needed"),
-    [(DISPATCH_0_25, None, None), (DISPATCH_0_31, None, "whatever its size"), (DISPATCH_OTHER, "no longer", None)],
-    ids=["0.25", "0.31", "other"],
+    [
+        (DISPATCH_0_25, None, None),
+        (DISPATCH_0_31, None, "whatever its size"),
+        (DISPATCH_0_31 + SPLIT_KERNEL_0_31, None, None),
+        (DISPATCH_OTHER, "no longer", None),
+    ],
+    ids=["0.25", "no batch-size test", "0.31 (its kernel splits small calls)", "other"],
 )
 def test_the_wrapper_reads_which_dispatch_the_installed_vllm_has(
     source: str, problem: str | None, not_needed: str | None, tmp_path: Path
 ) -> None:
+    """vLLM 0.25.1 picks its path by the step's size; a dispatch without that test needs no wrapper unless its kernel
+    picks its top-p rule by the call's size (0.31's ``_SPLIT_MAX_BATCH``): the wrapper is needed there."""
     with module_from_source(tmp_path, "dispatch_shape", textwrap.dedent(source)) as module:
         found_problem = engine_sampler.dispatch_problem(module.apply_top_k_top_p)
         found_not_needed = engine_sampler.every_step_on_kernel(module.apply_top_k_top_p)
@@ -482,22 +503,30 @@ def _said_afresh() -> Iterator[None]:
     assert trl_vlm_fixes.status()  # the plugin still answers after every test
 
 
-def test_a_top_p_cut_whose_rule_depends_on_the_steps_size_is_named() -> None:
+def test_a_top_p_cut_whose_rule_depends_on_the_steps_size_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.31's top-p without top-k: steps of at most 64 requests take a split-row pipeline on CUDA, larger calls
-    the monolithic kernel; the fix names it (and steps aside) exactly where the installed kernel has that split, and
-    only for CUDA tensors without an active top-k."""
+    the monolithic kernel. With the plugin's engine wrapper on vLLM's dispatch every step takes the monolithic kernel,
+    as the trainer does: nothing is named. Without it the fix names it (and steps aside) exactly where the installed
+    kernel has that split, for CUDA tensors and for CPU tensors where the interpreted copy (CUDA dispatch) is the
+    rule, and only without an active top-k."""
     import inspect
 
+    import vllm.v1.sample.ops.topk_topp_sampler as sampler_module
     import vllm.v1.sample.ops.topk_topp_triton as kernel
 
     split = "use_split" in inspect.getsource(kernel.apply_top_k_top_p_triton)
-    cuda = torch.device("cuda")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert vllm_rule.size_dependent_top_p(0, 0.95, cuda, VOCAB) is None  # the wrapper is on (or there is no split)
+    assert vllm_rule.size_dependent_top_p(0, 0.95, cpu, VOCAB) is None
+    current = sampler_module.apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p", getattr(current, "__wrapped__", current))
     reason = vllm_rule.size_dependent_top_p(0, 0.95, cuda, VOCAB)
     assert (reason is not None) == split, reason
     assert vllm_rule.size_dependent_top_p(20, 0.95, cuda, VOCAB) is None  # an active top-k: the monolithic kernel
     # a top-k of the whole vocabulary is no top-k (InputBatch passes none): the split pipeline again
     assert (vllm_rule.size_dependent_top_p(VOCAB, 0.95, cuda, VOCAB) is not None) == split
-    assert vllm_rule.size_dependent_top_p(0, 0.95, torch.device("cpu"), VOCAB) is None
+    interpreted_split = split and kernel_copy.why_no_copy() is None
+    assert (vllm_rule.size_dependent_top_p(0, 0.95, cpu, VOCAB) is not None) == interpreted_split
     assert vllm_rule.size_dependent_top_p(0, 1.0, cuda, VOCAB) is None
 
 

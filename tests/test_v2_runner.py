@@ -116,7 +116,7 @@ def test_the_trainer_runs_the_engines_temperature_kernel(v2: SimpleNamespace, mo
     GPU: here the kernel's measured arithmetic stands in for it) is exact. The GPU record runs vLLM's compiled kernel
     on both sides (benchmarks/gpu/v2_sampler_kernels.py)."""
     if reason := kernel_copy.why_no_copy():  # vLLM's sort path cuts top-p by sorted position: the bits move nothing
-        pytest.skip(f"the approximate top-p cut is vLLM's Triton kernel's, interpreted here on 0.25.1's file: {reason}")
+        pytest.skip(f"the approximate top-p cut is vLLM's Triton kernel's, interpreted on 0.25.1's, 0.31's: {reason}")
     stand_in = v2_kernels.Engine(torch.device("cpu"), temperature_kernel=_reciprocal_temperature)
     settings = {"temperature": 0.9, "top_p": 0.95}
     logits = _bf16_rows(1)

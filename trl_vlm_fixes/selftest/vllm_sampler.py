@@ -12,8 +12,11 @@ through its Triton kernel (``apply_top_k_top_p_triton``) and fewer through its s
 Triton, so while a step is sampled (``cuda_dispatch``) its ``topk_topp_sampler`` module sees ``HAS_TRITON`` true,
 that kernel run by Triton's interpreter with the CUDA tiles (``sampling_parity.kernel_copy``) and a platform that is
 not a CPU: vLLM's own dispatch then picks the path the GPU engine picks, and the plugin's engine wrapper, when on,
-reads the same globals. They are put back after every step. Where the installed vLLM's kernel is not the one the
-copy was proven on, the module is left alone (its sort path at every step) and ``dispatch_note`` says why.
+reads the same globals. They are put back after every step. Where the installed vLLM's kernel is not one the copy
+was proven on, the module is left alone (its sort path at every step) and ``dispatch_note`` says why. vLLM 0.31 sends
+every step to the kernel where it has Triton, and the copy dispatches inside it as on CUDA (a step of at most 64
+requests with top-p alone: the split-row pipeline); its sampler registers the kernels' warm-up compilations when it is
+built on a GPU, which the stand-in skips (``register_top_k_top_p_warmups``: nothing is compiled in the interpreter).
 
 On a machine without a CUDA driver, vLLM's platform is ``UnspecifiedPlatform``, which claims pinned host memory; vLLM
 reads that once, at import, into ``PIN_MEMORY`` globals. Pinning needs a driver, so ``_unpin`` sets those globals to
@@ -56,7 +59,11 @@ def engine_tokenizer(model_dir: str) -> Any:
 
 
 _SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
-_DISPATCH_GLOBALS = ("HAS_TRITON", "apply_top_k_top_p_triton", "current_platform")
+_DISPATCH_GLOBALS = ("HAS_TRITON", "apply_top_k_top_p_triton", "current_platform", "register_top_k_top_p_warmups")
+
+
+def _no_warmups() -> None:
+    """vLLM 0.31's ``register_top_k_top_p_warmups`` in the stand-in: the interpreter compiles nothing."""
 
 
 class _NotCpu:
@@ -97,6 +104,8 @@ def cuda_dispatch() -> Iterator[None]:
     scope["apply_top_k_top_p_triton"] = kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES)
     if saved["current_platform"].is_cpu():
         scope["current_platform"] = _NotCpu(saved["current_platform"])
+    if "register_top_k_top_p_warmups" in saved:
+        scope["register_top_k_top_p_warmups"] = _no_warmups
     try:
         yield
     finally:

@@ -10,8 +10,12 @@ sampled under the other rule, and nobody outside the engine knows which step hel
 The wrapper sends every step through the module's own ``apply_top_k_top_p_triton`` where the module has Triton (read
 from the wrapped function's module globals at call time, where ``forward_native`` reads them, so the engine stand-in
 can set them); elsewhere it calls vLLM's function unchanged, and says so once. For 8 or more requests that is the
-call vLLM makes itself; the cost for fewer is ``benchmarks/gpu/sampler_path.py``'s. vLLM >= 0.31 sends every size to
-the kernel itself: the target is then not needed. Torch-free: the wrapper touches no tensor.
+call vLLM makes itself; the cost for fewer is ``benchmarks/gpu/sampler_path.py``'s. vLLM 0.31 sends every size to
+the kernel itself, but its kernel then sends a small call of top-p without top-k (at most ``_SPLIT_MAX_BATCH`` = 64
+rows, on CUDA) through a split-row pipeline and a larger one through its monolithic kernel: there the wrapper sends
+such steps to the monolithic kernel (``monolithic.apply_kernel``, what the trainer applies), and only a vLLM whose
+kernel has no such split needs no wrapper. The wrapper reads no tensor's values (it looks at which of k and p are
+given).
 
 Only the engines whose trainer computes TRL's ratio or off-policy mask are routed: the colocated engine while a
 GRPO rollout the fix serves generates (``routed``: sampling runs in the caller's thread there, vLLM's in-process
@@ -27,6 +31,7 @@ wrapped too, whatever the import order (a post-import hook fires at once for a m
 from __future__ import annotations
 
 import ast
+import importlib
 import logging
 import os
 import sys
@@ -43,6 +48,7 @@ from ...source_shape import calls_name, function_tree
 
 LOGGER = fix_logger(__name__)
 MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+KERNEL_MODULE = "vllm.v1.sample.ops.topk_topp_triton"
 KERNEL = "apply_top_k_top_p_triton"
 SORT = "apply_top_k_top_p_pytorch"
 # the V2 model runner's modules that bind ``apply_top_k_top_p`` by name at their import
@@ -103,7 +109,8 @@ def _why_not_routed(scope: dict[str, Any]) -> str | None:
 def send_every_step_through_triton(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``apply_top_k_top_p(logits, k, p)``: the Triton kernel whatever the step's size, where vLLM has it."""
+    """``apply_top_k_top_p(logits, k, p)``: the Triton kernel whatever the step's size, where vLLM has it (vLLM 0.31:
+    top-p alone to its monolithic kernel, ``monolithic.apply_kernel``)."""
     if not routes_here():  # an engine whose trainer computes no ratio (or none at all): as vLLM built it
         return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs).arguments
@@ -115,7 +122,22 @@ def send_every_step_through_triton(
             ("engine_sampler", reason), "engine sampler left as vLLM's: %s", reason, logger=LOGGER, level=logging.INFO
         )
         return wrapped(*args, **kwargs)
-    return scope[KERNEL](arguments["logits"], arguments.get("k"), arguments.get("p"))
+    from .monolithic import apply_kernel
+
+    return apply_kernel(scope[KERNEL], arguments["logits"], arguments.get("k"), arguments.get("p"))
+
+
+def routes_top_p_alone() -> str | None:
+    """Why this process's routed engine steps of top-p alone do not take the kernel's monolithic rule at every size
+    (vLLM 0.31), or None where they do: the plugin's wrapper is on vLLM's ``apply_top_k_top_p`` and the kernel module's
+    monolithic kernel can be launched (``kernel_copy.monolithic_problem``)."""
+    from . import kernel_copy
+
+    current = getattr(importlib.import_module(MODULE), "apply_top_k_top_p", None)
+    if getattr(current, "_self_wrapper", None) is not send_every_step_through_triton:
+        return "the plugin's engine wrapper is not on vLLM's apply_top_k_top_p"
+    problem = kernel_copy.monolithic_problem(vars(importlib.import_module(KERNEL_MODULE)))
+    return f"the engine wrapper cannot send such steps to the monolithic kernel: {problem}" if problem else None
 
 
 def _compares_batch_size(tree: ast.AST) -> bool:
@@ -142,10 +164,39 @@ def dispatch_problem(function: Callable[..., Any]) -> str | None:
     return None
 
 
-def every_step_on_kernel(function: Callable[..., Any]) -> str | None:
-    """vLLM already sends every step through the kernel where it has Triton (0.31: no batch-size test), or None."""
+def compares_step_size(function: Callable[..., Any]) -> bool:
+    """Does the dispatch pick its path by the step's number of requests (0.25.1's ``logits.shape[0] >= 8``)?"""
     tree = function_tree(function)
-    if tree is None or dispatch_problem(function) or _compares_batch_size(tree):
+    return tree is not None and _compares_batch_size(tree)
+
+
+def _kernel_scope_of(function: Callable[..., Any]) -> dict[str, Any]:
+    """The globals of the kernel module ``function`` dispatches to: its ``apply_top_k_top_p_triton``'s, or, for vLLM's
+    own module imported without Triton (the name is then absent), vLLM's kernel module; else empty."""
+    scope: dict[str, Any] = getattr(function, "__globals__", {})
+    kernel = scope.get(KERNEL)
+    if kernel is not None:
+        return dict(getattr(kernel, "__globals__", {}))
+    if str(scope.get("__name__", "")).startswith("vllm."):
+        try:
+            return vars(importlib.import_module(KERNEL_MODULE))
+        except ImportError:
+            return {}
+    return {}
+
+
+def splits_small_calls(function: Callable[..., Any]) -> bool:
+    """Does the kernel ``function`` dispatches to pick its top-p rule by the call's size (vLLM 0.31's split-row
+    pipeline, ``_SPLIT_MAX_BATCH``)?"""
+    return isinstance(_kernel_scope_of(function).get("_SPLIT_MAX_BATCH"), int)
+
+
+def every_step_on_kernel(function: Callable[..., Any]) -> str | None:
+    """vLLM already sends every step through the kernel where it has Triton (no batch-size test) and its kernel takes
+    one rule whatever the call's size, or None. (vLLM 0.31 has no batch-size test, but its kernel splits small calls of
+    top-p alone: the wrapper is needed there.)"""
+    tree = function_tree(function)
+    if tree is None or dispatch_problem(function) or _compares_batch_size(tree) or splits_small_calls(function):
         return None
     return f"vLLM's apply_top_k_top_p sends every step through {KERNEL} whatever its size"
 

@@ -6,7 +6,7 @@ cut approximately. No other code computes what it computes, so on a machine with
 stand-in, a CPU trainer) the kernel itself runs, in Triton's interpreter (numpy, one program after another).
 
 The copy is vLLM's file, executed in a namespace of its own (vLLM's modules are left alone), with these textual
-substitutions, each required to match exactly once:
+substitutions (vLLM 0.25.1's file), each required to match exactly once:
 
 - ``from vllm.triton_utils import tl, triton``: the real ``triton`` (vLLM's module gives placeholders where it found
   no GPU driver; where it found one it gives exactly these modules);
@@ -23,8 +23,19 @@ mode is therefore a block (``interpreting``), around the copy's decoration and a
 place, all restored at the block's end, so the rest of the process sees Triton as it was. The source is written to a
 file because the interpreter re-reads each kernel's source with ``inspect``.
 
-The copy is used only on the kernel source it was proven on (``PROVEN_SHA256``, vLLM 0.25.1): another vLLM's kernel
-(0.31 adds a split top-p pipeline and warm-up dispatchers) gets no copy, and ``why_no_copy`` says so.
+vLLM 0.31's file (``PROVEN_SHA256_0_31``) adds a split-row top-p pipeline and warm-up dispatchers (which launch the
+kernels with ``kernel[grid](...)``: they run in the interpreter as they are); its copy takes, besides the import and the
+``row_id`` cast, the same cast of ``row`` (three times), and reads the device it stands in for through ``TILES_OF`` at
+each of vLLM's device tests: the tile choice, the split pipeline's dispatch (a call of at most ``_SPLIT_MAX_BATCH`` rows
+with top-p and no top-k on CUDA) and ``current_platform.is_cuda_alike()`` (twice: whether that pipeline covers the
+p-only rows of a mixed call, and its warm-up); each must occur as often as ``_SUBSTITUTIONS_0_31`` says. With the CUDA
+tiles the copy therefore dispatches as vLLM does on CUDA, with 132 SMs (an H100's; the split of a row across programs
+depends on it, ``_topp_split_count``). ``monolithic_top_k_top_p`` launches 0.31's monolithic kernel (``_topk_topp``)
+as ``apply_top_k_top_p_triton`` launches it for a call of more than 64 rows, on any rows (vLLM's module on CUDA, the
+copy here): the rule the engine wrapper and the trainer apply to top-p alone (``vllm_rule.apply_kernel``).
+
+The copy is used only on the kernel sources it was proven on (``PROVEN``: vLLM 0.25.1's and 0.31.0's files, by sha256):
+another vLLM's kernel gets no copy, and ``why_no_copy`` says so.
 """
 
 from __future__ import annotations
@@ -57,6 +68,22 @@ _SUBSTITUTIONS = (
     ("row_id.to(tl.int64)", "tl.cast(row_id, tl.int64)"),
     ('if logits.device.type == "cpu":', 'if TILES_OF(logits.device.type) == "cpu":'),
 )
+# sha256 of vllm/v1/sample/ops/topk_topp_triton.py in vLLM 0.31.0
+PROVEN_SHA256_0_31 = "c19c0af6a55c72dcb845ca531586faacc987711fc7bf3c5288cc498f923752f4"
+# (old, new, occurrences): each must occur exactly that many times
+_SUBSTITUTIONS_0_31 = (
+    ("from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl", 1),
+    ("row_id.to(tl.int64)", "tl.cast(row_id, tl.int64)", 1),
+    ("row.to(tl.int64)", "tl.cast(row, tl.int64)", 3),
+    ('if logits.device.type == "cpu":', 'if TILES_OF(logits.device.type) == "cpu":', 1),
+    ('and logits.device.type == "cuda"', 'and TILES_OF(logits.device.type) == "cuda"', 1),
+    ("current_platform.is_cuda_alike()", 'TILES_OF("cpu") == "cuda"', 2),
+)
+# the proven kernel files: sha256 -> (vLLM version, substitutions)
+PROVEN: dict[str, tuple[str, tuple[tuple[str, str, int], ...]]] = {
+    PROVEN_SHA256: ("0.25.1", tuple((old, new, 1) for old, new in _SUBSTITUTIONS)),
+    PROVEN_SHA256_0_31: ("0.31.0", _SUBSTITUTIONS_0_31),
+}
 _lock = threading.RLock()
 
 TopKTopP = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
@@ -84,10 +111,23 @@ def why_no_copy() -> str | None:
     if isinstance(found, str):
         return found
     path, source = found
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    if digest != PROVEN_SHA256:
-        return f"{path} is not the kernel the interpreter copy was proven on (vLLM 0.25.1's; sha256 {digest[:12]})"
+    digest = _digest(source)
+    if digest not in PROVEN:
+        versions = " or ".join(f"{version}'s" for version, _ in PROVEN.values())
+        return f"{path} is not a kernel the interpreter copy was proven on (vLLM {versions}; sha256 {digest[:12]})"
     return None
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def proven_version() -> str | None:
+    """The vLLM version whose kernel file the copy runs ("0.25.1", "0.31.0"), or None where there is no copy."""
+    found = _kernel_source()
+    if why_no_copy() is not None or isinstance(found, str):
+        return None
+    return PROVEN[_digest(found[1])][0]
 
 
 @functools.cache
@@ -100,7 +140,125 @@ def interpreted_top_k_top_p(tiles: str = CUDA_TILES) -> TopKTopP:
         with interpreting():
             return kernel(logits, k, p)
 
+    _tiles_of_copy[apply_top_k_top_p_triton] = tiles
     return apply_top_k_top_p_triton
+
+
+# the interpreted ``apply_top_k_top_p_triton`` functions made here -> their tiles
+_tiles_of_copy: dict[Callable[..., Any], str] = {}
+
+# what ``monolithic_top_k_top_p`` reads from vLLM 0.31's module (vLLM's own launch of its monolithic kernel)
+MONOLITHIC_NAMES = (
+    "_topk_topp",
+    "_TRITON_BUFFER_CACHE",
+    "_TRITON_TABLE_CACHE",
+    "_NORMAL_CDF_TO_SIGMA_TABLE",
+    "_PERCENTILE_TO_STD_TABLE",
+    "next_power_of_2",
+    "num_compute_units",
+    "gpu_sync_allowed",
+)
+MONOLITHIC_PARAMETERS = (
+    "logits",
+    "buffer",
+    "percentile_to_std_table",
+    "normal_cdf_to_sigma_table",
+    "k",
+    "p",
+    "mask_value",
+    "num_sm",
+)
+
+
+def split_max_batch(scope: dict[str, Any]) -> int | None:
+    """The largest call (rows) that a kernel module's ``apply_top_k_top_p_triton`` sends through its split-row top-p
+    pipeline on CUDA (vLLM 0.31: 64), or None where the module has no such pipeline (0.25.1)."""
+    limit = scope.get("_SPLIT_MAX_BATCH")
+    return limit if isinstance(limit, int) else None
+
+
+def monolithic_problem(scope: dict[str, Any]) -> str | None:
+    """Why ``monolithic_top_k_top_p`` cannot launch this kernel module's monolithic kernel, or None."""
+    import inspect
+
+    missing = [name for name in MONOLITHIC_NAMES if name not in scope]
+    if missing:
+        return f"{KERNEL_MODULE} has no {', '.join(missing)}"
+    try:
+        parameters = tuple(inspect.signature(scope["_topk_topp"]).parameters)
+    except (TypeError, ValueError) as error:
+        return f"{KERNEL_MODULE}._topk_topp's signature cannot be read ({error})"
+    if parameters != MONOLITHIC_PARAMETERS:
+        return f"{KERNEL_MODULE}._topk_topp takes {parameters}, not {MONOLITHIC_PARAMETERS}"
+    return None
+
+
+def monolithic_top_k_top_p(
+    scope: dict[str, Any], logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """vLLM 0.31's monolithic top-k/top-p kernel on every row, whatever the call's size: what its
+    ``apply_top_k_top_p_triton`` launches for a call of more than ``_SPLIT_MAX_BATCH`` rows (its ``_topk_topp``, with
+    the module's own cached scratch buffer and tables), without the split-row pipeline it takes for smaller ones. A
+    row's result is its own (one program per row), so any rows may be passed. ``scope``: the module's globals (vLLM's
+    on CUDA, the interpreted copy's here)."""
+    assert logits.ndim == 2 and logits.dtype == torch.float32
+    rows, vocabulary = logits.shape
+    if rows == 0 or (k is None and p is None):
+        return logits
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    compute_units: int = scope["num_compute_units"](logits.device.index)
+    programs = min(compute_units, rows)
+    buffers = scope["_TRITON_BUFFER_CACHE"]
+    key = (logits.device, logits.dtype, vocabulary)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < programs:
+        buffer = logits.new_empty((min(scope["next_power_of_2"](programs), compute_units), vocabulary))
+        buffers[key] = buffer
+    tables = scope["_TRITON_TABLE_CACHE"].get(logits.device)
+    if tables is None:
+        with scope["gpu_sync_allowed"]():
+            tables = (
+                logits.new_tensor(scope["_NORMAL_CDF_TO_SIGMA_TABLE"]),
+                logits.new_tensor(scope["_PERCENTILE_TO_STD_TABLE"]),
+            )
+        scope["_TRITON_TABLE_CACHE"][logits.device] = tables
+    normal_cdf_to_sigma, percentile_to_std = tables
+    scope["_topk_topp"](
+        logits,
+        buffer[:programs],
+        percentile_to_std,
+        normal_cdf_to_sigma,
+        None if k is None else k.to(torch.int32),
+        None if p is None else p.to(torch.float32),
+        float("-inf"),
+        compute_units,
+    )
+    return logits
+
+
+@functools.cache
+def interpreted_monolithic(tiles: str = CUDA_TILES) -> TopKTopP | None:
+    """``monolithic_top_k_top_p`` on the interpreted copy (``tiles``), or None where the copy's kernel has no
+    split-row pipeline (vLLM 0.25.1: its ``apply_top_k_top_p_triton`` is already that at every size)."""
+    scope = copy_namespace(tiles)
+    if split_max_batch(scope) is None or monolithic_problem(scope) is not None:
+        return None
+
+    def monolithic(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        with interpreting():
+            return monolithic_top_k_top_p(scope, logits, k, p)
+
+    return monolithic
+
+
+def copy_scope(kernel: Callable[..., Any]) -> tuple[dict[str, Any], TopKTopP | None] | None:
+    """(module globals, interpreted monolithic function) behind an interpreted ``apply_top_k_top_p_triton`` made
+    here, or None where ``kernel`` is not one."""
+    tiles = _tiles_of_copy.get(kernel)
+    if tiles is None:
+        return None
+    return copy_namespace(tiles), interpreted_monolithic(tiles)
 
 
 @functools.cache
@@ -111,13 +269,14 @@ def copy_namespace(tiles: str) -> dict[str, Any]:
     found = _kernel_source()
     assert not isinstance(found, str)  # why_no_copy checked it
     source = found[1]
-    for old, new in _SUBSTITUTIONS:
-        if source.count(old) != 1:
-            raise RuntimeError(f"{KERNEL_MODULE}: {old!r} occurs {source.count(old)} times, not once")
+    digest = _digest(source)
+    for old, new, occurrences in PROVEN[digest][1]:
+        if source.count(old) != occurrences:
+            raise RuntimeError(f"{KERNEL_MODULE}: {old!r} occurs {source.count(old)} times, not {occurrences}")
         source = source.replace(old, new)
     directory = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_kernels_{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"topk_topp_triton_{PROVEN_SHA256[:12]}_{tiles}.py"
+    path = directory / f"topk_topp_triton_{digest[:12]}_{tiles}.py"
     if not path.exists() or path.read_text() != source:
         staged = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         staged.write_text(source)
