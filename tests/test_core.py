@@ -35,10 +35,10 @@ import wrapt
 from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.rloo_trainer import RLOOTrainer
 import trl.generation.vllm_generation as vg
-def layers(obj):
+def layers(obj):  # the fixes' wrappers: a shared method's core wrapper counts the hooks it chains
     depth = 0
     while isinstance(obj, wrapt.FunctionWrapper):
-        depth, obj = depth + 1, obj.__wrapped__
+        depth, obj = depth + len(getattr(obj._self_wrapper, "hooks", (obj,))), obj.__wrapped__
     return depth
 import trl_vlm_fixes
 print(json.dumps({{
@@ -53,8 +53,8 @@ print(json.dumps({{
 
 def expected_layers() -> dict[str, int]:
     """How many wrappers each probed method should carry: one per fix whose declaration targets it and is needed on
-    this TRL, and one, the core's, on an engine builder where any engine fix is needed (read from the declarations: a
-    new fix changes nothing here)."""
+    this TRL (on a shared method, one hook each in the core's one wrapper), and one, the core's, on an engine builder
+    where any engine fix is needed (read from the declarations: a new fix changes nothing here)."""
     probed = {
         "grpo": ("trl.trainer.grpo_trainer", f"GRPOTrainer.{TARGET}"),
         "rloo": ("trl.trainer.rloo_trainer", f"RLOOTrainer.{TARGET}"),
@@ -673,8 +673,9 @@ def test_the_python_api_wins_over_the_environment_and_reverts_one_fix() -> None:
         trl_vlm_fixes.revert("mm_realign")
         out["reverted_one"] = states()
         layer, modules = vars(trl.trainer.grpo_trainer.GRPOTrainer)["_get_per_token_logps_and_entropies"], []
-        while hasattr(layer, "_self_wrapper"):
-            modules.append(layer._self_wrapper.__module__)
+        while hasattr(layer, "_self_wrapper"):  # a shared method's core wrapper: the hooks it chains
+            hooks = getattr(layer._self_wrapper, "hooks", None)
+            modules += [h.wrapper.__module__ for h in hooks] if hooks is not None else [layer._self_wrapper.__module__]
             layer = layer.__wrapped__
         out["realign_wrapped"] = "trl_vlm_fixes.patches.mm_realign" in modules
         trl_vlm_fixes.revert(); trl_vlm_fixes.apply()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import random
+import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -85,16 +86,31 @@ def _attribute(key: str) -> Any:
 
 
 def chain(built: Registry, key: str) -> list[str]:
-    """The plugin's wrappers on ``key``, outermost first, each as the fixes it belongs to (``a+b``: one wrapper, the
-    core's, shared by the fixes named)."""
+    """The fixes acting on ``key``, outermost (called first) first: on a shared method, the hooks its one core wrapper
+    chains (``SeamWrapper``), one entry per fix; elsewhere each wrapper as the fixes it belongs to (``a+b``: one
+    wrapper, the core's, shared by the fixes named: an engine builder's)."""
     owners: dict[int, list[str]] = {}
     for patch_key, patched in built._patched.items():
         owners.setdefault(id(patched.wrapper), []).append(patch_key.split("|", 1)[0])
     layers, layer = [], _attribute(key)
     while isinstance(layer, wrapt.FunctionWrapper):
-        layers.append("+".join(sorted(owners.get(id(layer), ["<not the plugin's>"]))))
+        if id(layer) not in owners:
+            layers.append("<not the plugin's>")
+        elif isinstance(layer._self_wrapper, registry.SeamWrapper):
+            layers.extend(layer._self_wrapper.fixes)
+        else:
+            layers.append("+".join(sorted(owners[id(layer)])))
         layer = layer.__wrapped__
     return layers
+
+
+def wrapt_layers(key: str) -> tuple[list[Any], Any]:
+    """The ``wrapt`` wrappers on ``key``, outermost first, and what the innermost wraps."""
+    layers, layer = [], _attribute(key)
+    while isinstance(layer, wrapt.FunctionWrapper):
+        layers.append(layer)
+        layer = layer.__wrapped__
+    return layers, layer
 
 
 def shared_keys() -> list[str]:
@@ -154,7 +170,7 @@ def engine_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_the_wrapping_order_is_the_declared_one_whatever_the_report_order(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """ALL_FIXES as it is, reversed and shuffled: the same wrappers nested the same way on every shared method (the
+    """ALL_FIXES as it is, reversed and shuffled: the same hooks chained the same way on every shared method (the
     order seams.py declares, innermost first), and the same engine contributions in the same order, down to the
     engine's line (which lists the fixes stepping aside in that order)."""
     shuffled = list(ALL_FIXES)
@@ -183,6 +199,89 @@ def test_the_wrapping_order_is_the_declared_one_whatever_the_report_order(
     assert "upstream: expert_layout steps aside" in lines[0] and lines[0].index("expert_layout") < lines[0].index(
         "cudagraph"
     )
+
+
+def test_one_plugin_wrapper_per_shared_method_around_trls_original() -> None:
+    """While the fixes are applied, every shared method carries one wrapt layer, the core's (a ``SeamWrapper``),
+    directly around TRL's own function, whatever the number of fixes acting there; reverted, TRL's function is back."""
+    with registry_of(ALL_FIXES) as built:
+        shared = [key for key in shared_keys() if key in seams.WRAP_ORDER and built._seams.get(key) is not None]
+        assert GENERATE in shared
+        found = {}
+        for key in shared:
+            layers, innermost = wrapt_layers(key)
+            found[key] = innermost
+            assert len(layers) == 1, (key, chain(built, key))
+            assert isinstance(layers[0]._self_wrapper, registry.SeamWrapper), key
+            assert type(innermost) is types.FunctionType, key  # TRL's own function, no wrapper below the core's
+            assert layers[0]._self_wrapper.fixes == tuple(chain(built, key)) and len(chain(built, key)) >= 1, key
+        assert len(built._seams[GENERATE].hooks) > 1  # several fixes, one layer
+        built.revert()
+        assert all(_attribute(key) is function for key, function in found.items())
+
+
+def test_reverting_a_fix_in_the_middle_of_a_chain_keeps_the_others_acting_in_order() -> None:
+    """Five recording fixes on VLLMGeneration.generate, given in a shuffled report order: called in the declared order
+    (outermost first) down to TRL's own generate; each hook's ``wrapped`` shows what a wrapt layer below would have
+    (TRL's bound method's name, ``__func__``, ``__self__``, signature). Reverting the middle one takes its hook out
+    and leaves the others acting in order, down to TRL's function; applying it again puts it back in its place."""
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_vlm_fixes.call_arguments import bind
+
+    module, _, qualname = GENERATE.partition(":")
+    declared = list(reversed(seams.WRAP_ORDER[GENERATE]))  # outermost (called first) first
+    acted: list[str] = []
+    seen: dict[str, Any] = {}
+
+    def hook(name: str) -> Callable[..., Any]:
+        def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            acted.append(name)
+            seen[name] = (wrapped, instance, bind(wrapped, args, kwargs).arguments)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    fixes = [_fix(name, Target(module, qualname, hook(name))) for name in declared]
+    random.Random(47).shuffle(fixes)
+    middle = declared[len(declared) // 2]
+
+    def generate() -> None:
+        """A bare VLLMGeneration: TRL's own generate is reached when its first line reads ``self.accelerator``."""
+        acted.clear()
+        seen.clear()
+        generation = VLLMGeneration.__new__(VLLMGeneration)
+        with pytest.raises(AttributeError, match="accelerator") as error:
+            generation.generate([[1, 2]], None, num_generations=1)
+        frames = [frame.f_code for frame, _ in traceback.walk_tb(error.value.__traceback__)]
+        assert frames[-1] is original.__code__  # raised in TRL's own generate
+        for wrapped, instance, arguments in seen.values():
+            assert instance is generation and wrapped.__self__ is generation and wrapped.__func__ is original
+            assert wrapped.__name__ == "generate" and inspect.unwrap(wrapped) == original.__get__(generation)
+            assert str(inspect.signature(wrapped)) == str(inspect.signature(original.__get__(generation)))
+            assert dict(arguments) == {"prompts": [[1, 2]], "images": None, "num_generations": 1}
+
+    with registry_of(fixes) as built:
+        layers, original = wrapt_layers(GENERATE)
+        assert len(layers) == 1 and type(original) is types.FunctionType
+        generate()
+        assert acted == chain(built, GENERATE) == declared
+        built.revert([middle])
+        layers, innermost = wrapt_layers(GENERATE)
+        assert len(layers) == 1 and innermost is original
+        generate()
+        assert acted == chain(built, GENERATE) == [name for name in declared if name != middle]
+        assert built.fix_state(middle)[0] == "disabled"
+        built.apply({middle: True})
+        generate()
+        assert acted == chain(built, GENERATE) == declared
+        built.revert([name for name in declared if name != middle])
+        generate()  # one hook left: still the core's wrapper, and TRL's function below it
+        assert acted == chain(built, GENERATE) == [middle] and len(wrapt_layers(GENERATE)[0]) == 1
+        built.revert([middle])
+        assert wrapt_layers(GENERATE) == ([], original)  # no hook left: no wrapper
 
 
 def _fix(name: str, *targets: Target, engine: EngineContribution | None = None) -> Fix:

@@ -5,7 +5,9 @@ each wrapper sits on the class that defines the method (so subclasses inherit it
 original objects. A hook never breaks the user's import unless strict mode asked for that. Every switch and setting a
 fix declares is read once, at ``apply()`` (explicit choices given to ``apply`` win over the environment). Where several
 fixes wrap one method, they are wrapped in the order ``seams.py`` declares for it (the order of the fixes given is the
-report order only); each engine builder carries one wrapper, the core's, whatever the number of engine fixes.
+report order only); the core owns each seam once: one wrapper per shared method (``SeamWrapper``: the applied fixes'
+declared wrapper functions, called as a chain in that order) and one per engine builder (``engine_args``), whatever
+the number of fixes acting there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import wrapt
 
@@ -31,7 +33,9 @@ __all__ = [
     "TRAINERS",
     "Fix",
     "FixNotApplicableError",
+    "Hook",
     "Registry",
+    "SeamWrapper",
     "Target",
     "TargetCheck",
     "WrapperFunction",
@@ -68,13 +72,71 @@ def report_runtime_state(fix_name: str, target_key: str, state: str, detail: str
         registry.set_state(fix_name, target_key, state, detail)
 
 
+class Hook(NamedTuple):
+    """One fix's contribution to a shared method: its declared wrapper function (``Target.wrapper``)."""
+
+    fix: str
+    wrapper: WrapperFunction
+
+
+class SeamWrapper:
+    """The core's one wrapper on a shared method (a key of ``seams.WRAP_ORDER``), installed as
+    ``wrapt.FunctionWrapper(TRL's original, seam)`` while any fix is applied there.
+
+    It calls the applied fixes' hooks as a chain in the declared order: the outermost hook's ``wrapped`` calls the next
+    hook, ..., the innermost one's is what wrapt gives this wrapper (TRL's method bound to the instance), exactly as
+    when each fix wrapped the method itself. ``hooks`` is read once per call, so a hook added or removed never
+    changes a call already running."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.hooks: tuple[Hook, ...] = ()  # innermost (nearest TRL's code) first
+
+    @property
+    def fixes(self) -> tuple[str, ...]:
+        """The fixes whose hooks the chain calls, outermost (called first) first."""
+        return tuple(hook.fix for hook in reversed(self.hooks))
+
+    def add(self, fix: str, wrapper: WrapperFunction) -> None:
+        """Put ``fix``'s hook at the place ``seams.WRAP_ORDER`` declares for it, whatever the order hooks come in."""
+        hooks = [hook for hook in self.hooks if hook.fix != fix] + [Hook(fix, wrapper)]
+        self.hooks = tuple(sorted(hooks, key=lambda hook: seams.position(self.key, hook.fix)))
+
+    def __call__(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        hooks = self.hooks
+        if not hooks:  # never installed empty: the registry removes the wrapper with its last hook
+            return wrapped(*args, **kwargs)
+        below: Callable[..., Any] = wrapped
+        for hook in hooks[:-1]:  # innermost first: each hook's ``wrapped`` calls the one below it
+            below = _Next(wrapped, hook.wrapper, below, instance)
+        return hooks[-1].wrapper(below, instance, args, kwargs)
+
+
+class _Next(wrapt.ObjectProxy):  # type: ignore[misc]
+    """A hook's ``wrapped`` where another hook sits below it: calling it calls that hook, with the same instance and
+    the arguments given (``args`` a tuple, ``kwargs`` a dict, as wrapt passes them). Everything else is TRL's method
+    as bound for this call (proxied): its name, ``__func__``, ``__self__``, ``__module__``, ``__globals__``, its
+    signature (``inspect.signature``, ``call_arguments.bind``); ``__wrapped__`` and ``inspect.unwrap`` reach it."""
+
+    def __init__(self, method: Callable[..., Any], hook: WrapperFunction, below: Callable[..., Any], instance: Any):
+        super().__init__(method)
+        self._self_hook = hook
+        self._self_below = below
+        self._self_instance = instance
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_hook(self._self_below, self._self_instance, args, kwargs)
+
+
 @dataclass
 class _Patched:
     owner: Any  # the class, or the module of a module-level function
     attribute: str
     original: Any
     wrapper: Any
-    shared: bool = False  # the core's wrapper another fix's entry installed (an engine builder's): unwrapped there
+    shared: bool = False  # the core's wrapper another fix's entry installed (a seam's, an engine builder's)
 
 
 @dataclass
@@ -99,7 +161,8 @@ class Registry:
         self.support = support
         self._records = {fix.name: _FixRecord() for fix in fixes}
         self._patched: dict[str, _Patched] = {}
-        self._core_wrapped: dict[str, _Patched] = {}  # target key -> the core's wrapper there (an engine builder)
+        self._core_wrapped: dict[str, _Patched] = {}  # target key -> the core's wrapper there (seam, engine builder)
+        self._seams: dict[str, SeamWrapper] = {}  # shared method's key -> the hooks its core wrapper calls
         self._hooked_modules: set[str] = set()
         self._active = False
         self._reverted = False
@@ -157,7 +220,7 @@ class Registry:
                 raise ValueError(f"no fix named {unknown}; the fixes are {', '.join(self.fixes)}")
             for name in names:
                 self._records[name].reverted_alone = True
-            if self._active:  # the wrappers of one method are layered: unwrap all, wrap the others again
+            if self._active:  # unwrap all, wrap the others again: a seam's core wrapper with the hooks that remain
                 self._unpatch_all()
                 self._active = False
                 self.apply()
@@ -328,6 +391,7 @@ class Registry:
 
     def _unpatch_all(self) -> None:
         self._core_wrapped.clear()
+        self._seams.clear()
         for key, patched in reversed(list(self._patched.items())):  # last wrapped is outermost
             if patched.shared:  # the core's wrapper: put back once, by the entry that installed it
                 del self._patched[key]
@@ -361,7 +425,7 @@ class Registry:
             with self._lock:
                 if not self._active:
                     return
-                for fix, target in self._wrapping:  # on a shared method, seams.py's order: innermost first
+                for fix, target in self._wrapping:  # on a seam, seams.py's order: innermost first
                     if not self._records[fix.name].enabled:
                         continue
                     if target.module == module.__name__ and _patch_key(fix.name, target) not in self._patched:
@@ -387,7 +451,8 @@ class Registry:
     def _patch(self, fix: Fix | None, target: Target, module: ModuleType) -> None:
         """Wrap one target in place; ``fix`` None is a support target (metrics flush), never reported."""
         class_name, _, attribute = target.qualname.rpartition(".")
-        installed = self._core_wrapped.get(target.key) if target.core_owned else None
+        seam = fix is not None and target.key in seams.WRAP_ORDER  # a shared method: the core's wrapper, fixes' hooks
+        installed = self._core_wrapped.get(target.key) if target.core_owned or seam else None
         if installed is not None:  # the core's wrapper is there already: this fix's checks read TRL's own function
             owner, original = installed.owner, installed.original
         else:
@@ -407,14 +472,20 @@ class Registry:
             return
         assert owner is not None and original is not None  # _target_problem checked both
         key = _patch_key(fix.name if fix else "", target)
-        if installed is not None:  # one wrapper of the core's per engine builder, however many fixes contribute
+        if installed is not None:  # one wrapper of the core's per seam, however many fixes act there
             self._patched[key] = _Patched(owner, attribute, original, installed.wrapper, shared=True)
         else:
-            wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+            function: WrapperFunction = target.wrapper
+            if seam:
+                function = self._seams[target.key] = SeamWrapper(target.key)
+            wrapper = wrapt.FunctionWrapper(original, function)
             setattr(owner, attribute, wrapper)
             self._patched[key] = _Patched(owner, attribute, original, wrapper)
-            if target.core_owned:
+            if target.core_owned or seam:
                 self._core_wrapped[target.key] = self._patched[key]
+        if seam:
+            assert fix is not None
+            self._seams[target.key].add(fix.name, target.wrapper)
         if fix is not None:
             self._set(fix, target, "applied", f"{target.qualname} wrapped")
             LOGGER.debug("%s wrapped %s", fix.name, target.key)
@@ -451,14 +522,15 @@ def _target_problem(owner: Any, class_name: str, original: Any, target: Target) 
 
 
 def _patch_key(fix_name: str, target: Target) -> str:
-    """Several fixes may wrap one method: each wrapper is recorded on its own (an engine builder's one wrapper, the
-    core's, once per fix applied there: ``Registry.engine_fixes``)."""
+    """Several fixes may act on one method: each fix's target is recorded on its own (a seam's one wrapper, the
+    core's, once per fix applied there: ``Registry.engine_fixes`` reads an engine builder's)."""
     return f"{fix_name}|{target.key}"
 
 
 def _wrapping_order(fixes: tuple[Fix, ...]) -> list[tuple[Fix, Target]]:
-    """Every (fix, target), in the order they are wrapped: on each method, the order ``seams.py`` declares for it
-    (innermost first; on an engine builder, ``ENGINE_CONTRIBUTIONS``), whatever the order of ``fixes``."""
+    """Every (fix, target), in the order they are patched: on each method, the order ``seams.py`` declares for it
+    (innermost first; on an engine builder, ``ENGINE_CONTRIBUTIONS``), whatever the order of ``fixes`` (on a shared
+    method, ``SeamWrapper.add`` puts each hook at its declared place whatever this order)."""
     pairs = [(fix, target) for fix in fixes for target in fix.targets]
     slots: dict[str, list[int]] = {}
     for index, (_, target) in enumerate(pairs):

@@ -7,9 +7,12 @@ Two kinds:
   ``trl vllm-serve`` builds. The core owns each of them: one wrapper per builder (``engine_args``), installed by the
   registry while any engine fix is applied there, which applies every applied engine fix's declared contribution
   (``Fix.engine``) in ``ENGINE_CONTRIBUTIONS`` order. A fix never wraps an engine builder itself;
-* the shared methods (``WRAP_ORDER``): a TRL method that several fixes wrap, each with its own wrapper. The registry
-  wraps them in the order declared here, innermost (wrapped first, nearest TRL's code) first. The core's own support
-  wrappers (the metrics flush, the trainer-start line) are wrapped after every fix: outermost.
+* the shared methods (``WRAP_ORDER``): a TRL method that several fixes act on. The core owns each of them too: one
+  wrapper per method (``registry.SeamWrapper``), installed by the registry while any fix is applied there, which calls
+  the applied fixes' declared wrapper functions (``Target.wrapper``, their hooks) as a chain in the order declared
+  here, innermost (nearest TRL's code, called last) first: each hook's ``wrapped`` calls the next one down, the
+  innermost's TRL's own method. A fix never wraps a shared method itself. The core's own support wrappers (the metrics
+  flush, the trainer-start line) are wrapped after every fix: outermost.
 
 ``check`` refuses, when a registry is built, a fix that wraps a shared method without being named in its order (or an
 engine builder itself, or declares an engine contribution without being named in ``ENGINE_CONTRIBUTIONS``): a new fix
@@ -70,7 +73,7 @@ def _on_trainers(method: str, order: tuple[str, ...]) -> dict[str, tuple[str, ..
 
 
 _GENERATION = "trl.generation.vllm_generation:VLLMGeneration"
-# shared method -> the fixes that wrap it, innermost (wrapped first) first
+# shared method -> the fixes whose hooks its core wrapper chains, innermost (nearest TRL's code, called last) first
 WRAP_ORDER: dict[str, tuple[str, ...]] = {
     f"{_GENERATION}.generate": ("prompt_parity", "sampling_parity", "reload_skip", "wake_reset", "watchdog"),
     # weight_buckets replaces the body of TRL's push loop: innermost, nearest TRL's code
@@ -82,7 +85,7 @@ WRAP_ORDER: dict[str, tuple[str, ...]] = {
 
 
 def position(key: str, fix_name: str) -> int:
-    """Where ``fix_name``'s wrapper goes on ``key`` (0: innermost); 0 on a method no other fix wraps."""
+    """Where ``fix_name``'s hook goes on ``key`` (0: innermost); 0 on a method no other fix wraps."""
     order = WRAP_ORDER.get(key, ())
     return order.index(fix_name) if fix_name in order else 0
 
