@@ -167,6 +167,33 @@ def test_a_kernel_that_fails_or_disagrees_leaves_the_torch_path(
             assert torch.equal(ours, theirs)
 
 
+def test_a_kernel_whose_gap_is_one_signed_is_refused(
+    interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build off by 1e-6 nats per token in one direction (far inside the largest gap allowed, but 2e-3 of the IS
+    weight at 2,048 tokens, as an approximate ``exp`` could be) is refused: its mean gap is not rounding's."""
+
+    class Biased:
+        def __getitem__(self, grid: tuple[int]) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                interpreted[grid](*args, **kwargs)
+                args[8].add_(1e-6)  # the plain log-prob
+                args[9].add_(1e-6)  # the kept one (a ban: its own tensor)
+
+            return launch
+
+    distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)
+    logits, ids = bf16_logits(2, 48)
+    expected = scored(logits, ids, distribution, [48, 48])
+    monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: Biased())
+    with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
+        result = scored(logits, ids, distribution, [48, 48])
+    assert fused_logprob.verdict.trusted is False
+    assert any("(mean 1e-06)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    for ours, theirs in zip(result, expected, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 def test_a_trusted_kernel_is_judged_once(
     interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
