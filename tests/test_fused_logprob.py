@@ -4,7 +4,12 @@ the kernel is there for TRL's logits (on a GPU: compiled; its GPU record is benc
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,6 +101,7 @@ def test_the_kernel_gives_the_torch_paths_log_probs(
     before = interpreted.positions
     fused = scored(logits, ids, distribution, lengths)
     assert interpreted.positions - before == ids.numel(), "the scorer took the kernel, one program per position"
+    assert fused_logprob.verdict.trusted is True, "the kernel's own values, not the torch path's after a refusal"
     ends = torch.arange(48)[None, :] < torch.tensor(lengths)[:, None]
     scored_positions = ends.reshape(-1)
     assert int(scored_positions.sum()) == 85
@@ -152,13 +158,13 @@ def test_a_kernel_that_fails_or_disagrees_leaves_the_torch_path(
     """The first call judges the build against the torch path: a build that raises or disagrees is refused with one
     WARNING, that call and every later one get the torch path's values, and it is never launched again."""
     distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)
-    logits, ids = bf16_logits(2, 16)
-    expected = scored(logits, ids, distribution, [16, 16])
+    logits, ids = bf16_logits(2, 48)
+    expected = scored(logits, ids, distribution, [48, 48])
     broken = Broken(raises)
     monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: broken)
     with caplog.at_level("WARNING", logger="trl_vlm_fixes"):
-        first = scored(logits, ids, distribution, [16, 16])
-        second = scored(logits, ids, distribution, [16, 16])
+        first = scored(logits, ids, distribution, [48, 48])
+        second = scored(logits, ids, distribution, [48, 48])
     assert broken.launches == 1 and fused_logprob.verdict.trusted is False
     warnings = [r.getMessage() for r in caplog.records if "log-prob kernel is not used" in r.getMessage()]
     assert len(warnings) == 1 and ("PTX assembly failed" in warnings[0] or "differ from the torch path" in warnings[0])
@@ -199,7 +205,7 @@ def test_a_trusted_kernel_is_judged_once(
 ) -> None:
     """The first call compares with the torch path (one INFO line); later calls run the kernel alone."""
     distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)
-    logits, ids = bf16_logits(2, 16)
+    logits, ids = bf16_logits(2, 48)
     monkeypatch.setattr(fused_logprob, "kernel", lambda _logits: interpreted)
     torch_path_calls = []
     original_ban = processed.Scorer._ban
@@ -207,10 +213,57 @@ def test_a_trusted_kernel_is_judged_once(
         processed.Scorer, "_ban", lambda self, *args: torch_path_calls.append(1) or original_ban(self, *args)
     )
     with caplog.at_level("INFO", logger="trl_vlm_fixes"):
+        scored(logits[:, :16], ids.view(2, 48)[:, :16].reshape(-1), distribution, [16, 16])  # too few to judge
+        assert fused_logprob.verdict.trusted is None and len(torch_path_calls) == 1
         for _ in range(3):
-            scored(logits, ids, distribution, [16, 16])
-    assert fused_logprob.verdict.trusted is True and len(torch_path_calls) == 1
+            scored(logits, ids, distribution, [48, 48])
+    assert fused_logprob.verdict.trusted is True and len(torch_path_calls) == 2
     assert sum("agrees with the torch path" in r.getMessage() for r in caplog.records) == 1
+
+
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from trl_vlm_fixes.patches.sampling_parity import fused_logprob
+
+names = ("logits_ptr row_stride position_stride width lengths_ptr ids_ptr banned_ptr temperature plain_ptr kept_ptr "
+         "log_kept_ptr vocabulary").split()
+found = {}
+for dtype in ("*bf16", "*fp32"):
+    types = [dtype, "i64", "i64", "i32", "*i64", "*i64", "*i64", "fp32", "*fp32", "*fp32", "*fp32", "i32"]
+    signature = dict(zip(names, types))
+    signature.update({name: "constexpr" for name in ("BANNED", "SCALE", "ACCURATE", "BLOCK_SIZE")})
+    for banned in (0, 8):
+        for scale in (0, 1, 2):
+            constants = {(12,): banned, (13,): scale, (14,): True, (15,): fused_logprob.BLOCK}
+            source = ASTSource(fused_logprob._compiled(), signature, constants)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            ptx = compiled.asm["ptx"]
+            found[f"{dtype} {banned} {scale}"] = {
+                "cubin": len(compiled.asm["cubin"]),
+                "div.rn.f32": "div.rn.f32" in ptx,
+                "div.full.f32": "div.full.f32" in ptx,
+            }
+print(json.dumps(found))
+"""
+
+
+def test_the_kernel_compiles_for_a_hopper_gpu(tmp_path: Path) -> None:
+    """Triton's code generator (which the interpreter never runs) turns every variant into a cubin for an H100, with
+    IEEE division under V1's step, Triton's approximate one (what vLLM's V2 temperature kernel's ``/`` compiles to)
+    under V2's, none at temperature 1. A fresh process and an empty Triton cache: the code generator runs (an
+    interpreted kernel earlier in a process leaves ``triton.language`` unfit to compile)."""
+    environment = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(found) == 12
+    for variant, facts in found.items():
+        scale = int(variant.split()[-1])
+        assert facts["cubin"] > 0, variant
+        assert facts["div.rn.f32"] == (scale == 1) and facts["div.full.f32"] == (scale == 2), (variant, facts)
 
 
 def test_no_kernel_for_cpu_logits() -> None:

@@ -19,6 +19,7 @@ compiles (``kernel()``), else the torch path runs; tests pass an interpreted bui
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -47,6 +48,7 @@ class Verdict:
 
     TOLERANCE = 1e-4  # nats per token
     BIAS = 5e-8  # nats per token, on average
+    MINIMUM = 64  # scored positions a verdict needs
 
     def __init__(self) -> None:
         self.trusted: bool | None = None
@@ -57,9 +59,10 @@ class Verdict:
         torch_path: tuple[torch.Tensor, torch.Tensor],
         scored: torch.Tensor,
     ) -> None:
-        """Compare (log-prob, log of the kept share) of both paths at the ``scored`` positions (none: no verdict)."""
+        """Compare (log-prob, log of the kept share) of both paths at the ``scored`` positions (fewer than
+        ``MINIMUM``: no verdict yet)."""
         count = int(scored.sum())
-        if count == 0:
+        if count < self.MINIMUM:  # too few for a mean: the torch path this call, the verdict at a larger one
             return
         gaps = [(ours - theirs)[scored].double() for ours, theirs in zip(fused, torch_path, strict=True)]
         worst = float(torch.stack([gap.abs().max() for gap in gaps]).max())
@@ -93,24 +96,24 @@ class Verdict:
 verdict = Verdict()
 
 
-def body(
-    logits_ptr: Any,
-    row_stride: Any,
-    position_stride: Any,
-    width: Any,
-    lengths_ptr: Any,
-    ids_ptr: Any,
-    banned_ptr: Any,
-    temperature: Any,
-    plain_ptr: Any,
-    kept_ptr: Any,
-    log_kept_ptr: Any,
-    vocabulary: Any,
+def body(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr ones
+    logits_ptr,
+    row_stride,
+    position_stride,
+    width,
+    lengths_ptr,
+    ids_ptr,
+    banned_ptr,
+    temperature,
+    plain_ptr,
+    kept_ptr,
+    log_kept_ptr,
+    vocabulary,
     BANNED: tl.constexpr,  # how many banned ids
     SCALE: tl.constexpr,  # 0 none (temperature 1), 1 IEEE division (V1), 2 Triton's division (V2's kernel)
     ACCURATE: tl.constexpr,  # libdevice's exp/log (compiled, CUDA); numpy's in the interpreter (CPU tensors)
     BLOCK_SIZE: tl.constexpr,
-) -> None:
+):
     """One scored position: row ``program_id // width``, position ``program_id % width``; past its row's length,
     NaN (the padding after a completion ended keeps TRL's own log-prob)."""
     program = tl.program_id(0).to(tl.int64)
@@ -202,7 +205,9 @@ def log_probs(
     ends = torch.tensor(lengths if lengths is not None else [width] * rows, dtype=torch.int64, device=device)
     banned_ids = torch.tensor(banned or (0,), dtype=torch.int64, device=device)
     scale = 0 if temperature == 1.0 else 2 if runner == V2_RUNNER else 1
-    if count:
+    if not count:
+        return plain, kept, log_kept
+    with torch.cuda.device(device) if logits.is_cuda else contextlib.nullcontext():  # Triton launches on the current
         kernel[(count,)](
             logits,
             logits.stride(0),
