@@ -250,6 +250,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.stack_independent  # Triton's code generator (3.8 on both stacks), no TRL/vLLM code
 def test_the_kernel_compiles_for_a_hopper_gpu(tmp_path: Path) -> None:
     """Triton's code generator (which the interpreter never runs) turns every variant into a cubin for an H100, with
     IEEE division under V1's step, Triton's approximate one (what vLLM's V2 temperature kernel's ``/`` compiles to)
