@@ -24,9 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# every Qwen vision-language family users train, dense and mixture-of-experts (tiny_model.FAMILIES), as the fixes'
-# declarations name them
-from trl_vlm_fixes.declaration import QWEN_FAMILIES as QWEN_FAMILIES
+# every Qwen vision-language family users train, dense and mixture-of-experts (tiny_model.FAMILIES)
+QWEN_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"]
 
 # --- the installed TRL ------------------------------------------------------------------------------------------
 
