@@ -15,37 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-from trl_vlm_fixes.patches.sampling_parity import fused_logprob, kernel_copy, processed
+from trl_vlm_fixes.patches.sampling_parity import fused_logprob, processed
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER, SamplingDistribution
+from trl_vlm_fixes.selftest.fused_kernel import InterpretedKernel
 
 VOCABULARY = 2048
 PLACEHOLDERS = tuple(range(VOCABULARY - 8, VOCABULARY))
 
 
-class Interpreted:
-    """The kernel built and launched in Triton's interpreter; counts the positions its launches covered."""
-
-    def __init__(self) -> None:
-        import triton
-
-        with kernel_copy.interpreting():
-            self.kernel = triton.jit(fused_logprob.body)
-        self.positions = 0
-
-    def __getitem__(self, grid: tuple[int]) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.positions += grid[0]
-            with kernel_copy.interpreting():
-                self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 @pytest.fixture(scope="module")
-def interpreted() -> Interpreted:
+def interpreted() -> InterpretedKernel:
     if fused_logprob.triton is None:
         pytest.skip("no Triton")
-    return Interpreted()
+    return InterpretedKernel()
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +71,7 @@ def scored(
     ids=["plain", "t0.7-v1", "t0.7-v2", "ban", "ban-t0.8-v2"],
 )
 def test_the_kernel_gives_the_torch_paths_log_probs(
-    settings: dict[str, Any], interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch
+    settings: dict[str, Any], interpreted: InterpretedKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same log-probs and kept shares as the torch path (vLLM's float32 log_softmax; with a ban, full rows where it
     holds most of the mass) within float32's rounding, no bias; TRL's own past each completion's end."""
@@ -119,7 +101,7 @@ def test_the_kernel_gives_the_torch_paths_log_probs(
         assert (fused[1][scored_positions] <= 0).all()
 
 
-def test_the_kernel_applies_the_engines_temperature_step(interpreted: Interpreted) -> None:
+def test_the_kernel_applies_the_engines_temperature_step(interpreted: InterpretedKernel) -> None:
     """At a temperature other than 1 the kernel divides (break it: drop the division, and this fails); at 1 the
     log-prob is the plain log-softmax."""
     logits, ids = bf16_logits(1, 16)
@@ -174,7 +156,7 @@ def test_a_kernel_that_fails_or_disagrees_leaves_the_torch_path(
 
 
 def test_a_kernel_whose_gap_is_one_signed_is_refused(
-    interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    interpreted: InterpretedKernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A build off by 1e-6 nats per token in one direction (far inside the largest gap allowed, but 2e-3 of the IS
     weight at 2,048 tokens, as an approximate ``exp`` could be) is refused: its mean gap is not rounding's."""
@@ -201,7 +183,7 @@ def test_a_kernel_whose_gap_is_one_signed_is_refused(
 
 
 def test_a_trusted_kernel_is_judged_once(
-    interpreted: Interpreted, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    interpreted: InterpretedKernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The first call compares with the torch path (one INFO line); later calls run the kernel alone."""
     distribution = SamplingDistribution(temperature=1.0, banned=PLACEHOLDERS)

@@ -110,22 +110,10 @@ def main() -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     shapes = [(2, 64, 2048)] if args.dry_run else [(args.rows, args.width, int(v)) for v in args.vocabulary.split(",")]
     if args.dry_run:
-        import triton
+        from trl_vlm_fixes.selftest.fused_kernel import InterpretedKernel
 
-        from trl_vlm_fixes.patches.sampling_parity import kernel_copy
-
-        with kernel_copy.interpreting():
-            interpreted = triton.jit(fused_logprob.body)
-
-        class Interpreted:  # each launch inside the interpreter's block
-            def __getitem__(self, grid: Any) -> Any:
-                def launch(*launch_args: Any, **kwargs: Any) -> None:
-                    with kernel_copy.interpreting():
-                        interpreted[grid](*launch_args, **kwargs)
-
-                return launch
-
-        fused_logprob.kernel = lambda _logits: Interpreted()  # type: ignore[assignment]
+        interpreted = InterpretedKernel()
+        fused_logprob.kernel = lambda _logits: interpreted  # type: ignore[assignment]
     report: dict[str, Any] = {
         "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
         "results": [measure(rows, width, vocabulary, device) for rows, width, vocabulary in shapes],

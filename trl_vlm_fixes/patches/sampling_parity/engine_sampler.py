@@ -188,7 +188,9 @@ def _kernel_scope_of(function: Callable[..., Any]) -> dict[str, Any]:
 def splits_small_calls(function: Callable[..., Any]) -> bool:
     """Does the kernel ``function`` dispatches to pick its top-p rule by the call's size (vLLM 0.31's split-row
     pipeline, ``_SPLIT_MAX_BATCH``)?"""
-    return isinstance(_kernel_scope_of(function).get("_SPLIT_MAX_BATCH"), int)
+    from . import kernel_copy
+
+    return kernel_copy.split_max_batch(_kernel_scope_of(function)) is not None
 
 
 def every_step_on_kernel(function: Callable[..., Any]) -> str | None:

@@ -32,12 +32,6 @@ def _monolithic_of(kernel: Callable[..., Any]) -> tuple[Callable[..., Any] | Non
     return functools.partial(kernel_copy.monolithic_top_k_top_p, scope), None
 
 
-def monolithic_problem(kernel: Callable[..., Any]) -> str | None:
-    """Why a call of top-p alone cannot be sent to ``kernel``'s monolithic kernel whatever its size (where the
-    kernel splits small calls), or None (also where it has no split)."""
-    return _monolithic_of(kernel)[1]
-
-
 def apply_kernel(
     kernel: Callable[..., Any], logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
 ) -> torch.Tensor:
