@@ -49,8 +49,18 @@ BEFORE_SEAMS = {
         "reload_skip",
         "weight_buckets",
     ],
-    "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": ["sampling_parity", "mm_realign"],
-    "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions": ["vision_token_guard", "sampling_parity"],
+    # scoring_skip (added since) outermost: it reads what sampling_parity made of a loss pass's log-probs
+    "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": [
+        "scoring_skip",
+        "sampling_parity",
+        "mm_realign",
+    ],
+    # scoring_skip innermost: sampling_parity records the rollout around it
+    "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions": [
+        "vision_token_guard",
+        "sampling_parity",
+        "scoring_skip",
+    ],
     "trl.trainer.grpo_trainer:GRPOTrainer._generate": ["vision_token_guard", "reload_skip"],
 }
 

@@ -26,7 +26,7 @@ from trl_vlm_fixes.__main__ import main
 from trl_vlm_fixes.selftest.runner import render, run_selftest
 
 CHECKED = ("mm_realign", "prompt_parity", "sampling_parity", "reload_skip", "wake_reset", "cudagraph", "gdn_prefill")
-CHECKED += ("expert_layout", "vision_token_guard", "weight_buckets")
+CHECKED += ("expert_layout", "vision_token_guard", "weight_buckets", "scoring_skip")
 
 
 def _console_script() -> list[str]:

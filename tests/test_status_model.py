@@ -38,6 +38,12 @@ def trl_pushes_one_parameter_per_call() -> bool:
     return "_iter_named_params" not in inspect.getsource(VLLMGeneration.sync_weights)
 
 
+def trls_rollout_and_loss_are_1_9_1() -> bool:
+    import trl
+
+    return trl.__version__ == "1.9.1"
+
+
 def expected_to_act(family: str, mode: str, sleep_mode: bool, moe_backend_rearranges: bool) -> set[str]:
     """Which fixes act for ``family`` in ``mode``, from the families' facts (not from the rules under test)."""
     if mode == "none":
@@ -49,6 +55,8 @@ def expected_to_act(family: str, mode: str, sleep_mode: bool, moe_backend_rearra
         acting.add("expert_layout")
     if mode == "colocate" and trl_pushes_one_parameter_per_call():
         acting.add("weight_buckets")  # TRL's colocated per-parameter push, whatever the family
+    if trls_rollout_and_loss_are_1_9_1():
+        acting.add("scoring_skip")  # GRPO's scoring pass for the ratio, whatever the family, with vLLM
     if mode == "colocate" and sleep_mode:
         acting.add("reload_skip")
         if family in DEEPSTACK:

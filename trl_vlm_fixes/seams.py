@@ -78,8 +78,10 @@ WRAP_ORDER: dict[str, tuple[str, ...]] = {
     f"{_GENERATION}.generate": ("prompt_parity", "sampling_parity", "reload_skip", "wake_reset", "watchdog"),
     # weight_buckets replaces the body of TRL's push loop: innermost, nearest TRL's code
     f"{_GENERATION}.sync_weights": ("weight_buckets", "reload_skip", "wake_reset", "watchdog"),
-    **_on_trainers("_get_per_token_logps_and_entropies", ("mm_realign", "sampling_parity")),
-    **_on_trainers("_generate_and_score_completions", ("sampling_parity", "vision_token_guard")),
+    # scoring_skip outermost: in a loss pass it reads what sampling_parity made of the policy's log-probs
+    **_on_trainers("_get_per_token_logps_and_entropies", ("mm_realign", "sampling_parity", "scoring_skip")),
+    # scoring_skip innermost: sampling_parity records the rollout's distribution around it, with the user's settings
+    **_on_trainers("_generate_and_score_completions", ("scoring_skip", "sampling_parity", "vision_token_guard")),
     **_on_trainers("_generate", ("reload_skip", "vision_token_guard")),
 }
 

@@ -6,7 +6,8 @@ prompt lengths in every batch) and ``gradient_accumulation_steps=2 > steps_per_g
 optimizer step, the second without TRL's sync). During every rollout the engine's ``lm_head`` is compared with the
 trainer's current one and with the original checkpoint; the engine's CUDA-graph mode is read from its own config.
 Each variant runs in a fresh process:
-    on               all fixes (``import trl_vlm_fixes``)
+    on               all fixes (``import trl_vlm_fixes``) but scoring_skip: TRL's scoring pass, timed (every variant)
+    scoring_skip_on  all fixes: no scoring pass (its step times against on's)
     off              TRL_VLM_FIXES=0: TRL 1.9.1 as released
     reload_skip_off  TRL_VLM_FIXES_RELOAD_SKIP=0: the batch trains (mm_realign), rollouts show the reload bug
     prompt_parity_off  TRL_VLM_FIXES_PROMPT_PARITY=0: vLLM expands the trainer's expanded image pads again
@@ -58,15 +59,19 @@ from common import (
     variant_in_fresh_process,
 )
 
+# every variant keeps TRL's scoring pass (scoring_skip off), whose time and passes the records read; scoring_skip_on
+# runs every fix, that one too (no scoring pass: its step times against on's)
+_SCORING_PASS = {"TRL_VLM_FIXES_SCORING_SKIP": "0"}
 VARIANT_SWITCHES = {
-    "on": {},
+    "on": {**_SCORING_PASS},
     "off": {"TRL_VLM_FIXES": "0"},
-    "reload_skip_off": {"TRL_VLM_FIXES_RELOAD_SKIP": "0"},
-    "prompt_parity_off": {"TRL_VLM_FIXES_PROMPT_PARITY": "0"},
-    "sampling_parity_off": {"TRL_VLM_FIXES_SAMPLING_PARITY": "0"},
-    "graphs_piecewise": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE"},
-    "graphs_default": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE"},
-    "graphs_none": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "NONE"},
+    "reload_skip_off": {"TRL_VLM_FIXES_RELOAD_SKIP": "0", **_SCORING_PASS},
+    "prompt_parity_off": {"TRL_VLM_FIXES_PROMPT_PARITY": "0", **_SCORING_PASS},
+    "sampling_parity_off": {"TRL_VLM_FIXES_SAMPLING_PARITY": "0", **_SCORING_PASS},
+    "graphs_piecewise": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "PIECEWISE", **_SCORING_PASS},
+    "graphs_default": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", **_SCORING_PASS},
+    "graphs_none": {"TRL_VLM_FIXES_CUDAGRAPH_MODE": "NONE", **_SCORING_PASS},
+    "scoring_skip_on": {},
 }
 SAMPLING_METRICS = (
     "sampling/sampling_logp_difference/mean",

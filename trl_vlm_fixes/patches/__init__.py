@@ -12,6 +12,7 @@ from . import (
     prompt_parity,
     reload_skip,
     sampling_parity,
+    scoring_skip,
     vision_token_guard,
     wake_reset,
     watchdog,
@@ -33,5 +34,6 @@ ALL_FIXES: tuple[Fix, ...] = (
     expert_layout.FIX,
     vision_token_guard.FIX,
     weight_buckets.FIX,
+    scoring_skip.FIX,
     watchdog.FIX,
 )

@@ -60,7 +60,7 @@ def length_reward(completions: list[Any], **_: Any) -> list[float | None]:
 
 def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "grpo", **overrides: Any) -> Any:
     """A real GRPOTrainer or RLOOTrainer on the tiny model: CPU, float32, no reporting, mixed dataset by default
-    (``dataset``, ``reward_funcs`` and ``rollout_func`` go to the trainer, the rest to its config)."""
+    (``dataset``, ``reward_funcs``, ``rollout_func`` and ``peft_config`` go to the trainer, the rest to its config)."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     classes: tuple[Any, Any] = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
@@ -68,6 +68,8 @@ def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "
     dataset = overrides.pop("dataset", None)
     reward_funcs = overrides.pop("reward_funcs", length_reward)
     rollout = {"rollout_func": overrides.pop("rollout_func")} if "rollout_func" in overrides else {}
+    if "peft_config" in overrides:
+        rollout["peft_config"] = overrides.pop("peft_config")
     settings: dict[str, Any] = {
         "output_dir": output_dir,
         "per_device_train_batch_size": 4,

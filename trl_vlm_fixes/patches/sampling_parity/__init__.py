@@ -50,11 +50,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ... import metrics
+from ... import metrics, ratio_pass
 from ...call_arguments import bind
 from ...declaration import VLLM_MODES, Applicability, Counter, Fix, Target, on_trainers
 from ...log_once import warn_once
 from ...logs import fix_logger
+from ...owner_state import OwnerState
 from ...source_shape import function_tree, string_constants
 from .distribution import (
     V1_RUNNER,
@@ -98,6 +99,8 @@ class _Rollout:
 
 
 _current: ContextVar[_Rollout | None] = ContextVar("trl_vlm_fixes_sampling_parity", default=None)
+# a trainer's last rollout whose scoring pass its loss passes run instead (scoring_skip, ``ratio_pass``)
+_deferred_rollouts: OwnerState[_Rollout | None] = OwnerState(lambda: None)
 
 
 # --- what vLLM was asked for ---------------------------------------------------------------------------------------
@@ -271,7 +274,11 @@ def rollout_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     if isinstance(output, dict):
         upstream_would(output)
         if rollout.processed_logps is not None:
+            if output.get("old_per_token_logps") is rollout.processed_logps:
+                output["old_per_token_logps"] = rollout.trl_logps
             _hand_on(instance, rollout, output)
+        elif ratio_pass.deferred(output):  # scoring_skip: each loss pass scores its micro-batch
+            _deferred_rollouts.set(instance, rollout)
     return output
 
 
@@ -321,8 +328,10 @@ def _old_logps_scored(trainer: Any) -> Iterator[Callable[[dict[str, Any]], None]
 def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``_get_per_token_logps_and_entropies``: the first no-gradient pass of the trainer's model inside a rollout is
     TRL's ``old_per_token_logps`` (checked in TRL's source, ``_old_logps_first``); it returns them processed."""
+    if (loss_pass := ratio_pass.current_loss_pass()) is not None:
+        return _loss_pass_scored(wrapped, instance, args, kwargs, loss_pass)
     rollout = _current.get()
-    if rollout is None or rollout.scored:
+    if rollout is None or rollout.scored or ratio_pass.rollout_deferred():
         return wrapped(*args, **kwargs)
     import torch
 
@@ -331,6 +340,50 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     if model is not getattr(instance, "model", None) or torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     rollout.scored = True
+    scored = _processed(wrapped, instance, args, kwargs, rollout)
+    if isinstance(scored, tuple):
+        return scored
+    rollout.trl_logps, rollout.shift, rollout.log_kept = scored.trl_logps, scored.shift, scored.log_kept
+    rollout.processed_logps = scored.processed
+    return (rollout.processed_logps, *scored.result[1:])
+
+
+def _loss_pass_scored(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], loss_pass: Any
+) -> Any:
+    """A loss pass standing in for the rollout's scoring pass (``scoring_skip``): the processed log-probs of its
+    micro-batch, from its own logits, for TRL's ratio (``ratio_pass``); the loss keeps TRL's result as it is."""
+    rollout = _deferred_rollouts.get(instance)
+    if rollout is None or loss_pass.scored:
+        return wrapped(*args, **kwargs)
+    scored = _processed(wrapped, instance, args, kwargs, rollout)
+    if isinstance(scored, tuple):
+        return scored
+    loss_pass.ratio_logps = scored.processed
+    _hand_on(instance, scored, loss_pass.inputs)
+    return scored.result
+
+
+@dataclass
+class _Processed:
+    """One scoring call: TRL's result, and its scored positions' log-probs under the rollout's distribution."""
+
+    result: Any
+    trl_logps: Any
+    shift: Any
+    log_kept: Any
+    processed: Any
+
+
+def _processed(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rollout: _Rollout
+) -> _Processed | tuple[Any, ...]:
+    """TRL's call with its scored positions processed, or TRL's result alone where the fix steps aside (said once).
+    TRL's tensors are only read (detached: a loss pass's carry gradients)."""
+    import torch
+
+    bound = bind(wrapped, args, kwargs)
+    model = bound.arguments.get("model")
     distribution = rollout.distribution()
     parts = distribution if isinstance(distribution, str) else _model_parts(model)
     if isinstance(parts, str):
@@ -359,17 +412,15 @@ def scoring_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     if reason:
         _step_aside(type(instance).__name__, reason, logging.WARNING)
         return result
-    shift, log_kept = _finished(pass_.scored, result[0])
+    logps = result[0].detach()
+    shift, log_kept = _finished(pass_.scored, logps)
     mask = bound.arguments.get("attention_mask")
     if mask is not None and mask.dim() == 2 and mask[:, -shift.size(-1) :].shape == shift.shape:
         # where TRL's mask ends a completion its log-prob is not a sampled token's (TRL 1.16 gives 0): nothing there
         scored = mask[:, -shift.size(-1) :].ne(0)
         shift, log_kept = shift.where(scored, 0.0), log_kept.where(scored, 0.0)
-    logps = result[0]
     _announce(distribution)
-    rollout.trl_logps, rollout.shift, rollout.log_kept = logps, shift, log_kept
-    rollout.processed_logps = logps.to(torch.float32) + shift
-    return (rollout.processed_logps, *result[1:])
+    return _Processed(result, logps, shift, log_kept, logps.to(torch.float32) + shift)
 
 
 _SHARDED = "the output layer is sharded across ranks (FSDP or DeepSpeed ZeRO-3)"
@@ -435,6 +486,7 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
         # position j predicts j + 1
         waiting.append((hidden[:, -(kept + 1) : -1, :], input_ids[:, -kept:], kept, scored_mask))
 
+    @torch.no_grad()  # a loss pass's logits carry gradients: the fix's arithmetic stays out of the graph
     def on_head(module: Any, args: Any, output: Any) -> None:
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
             hidden, ids, kept, mask = waiting.pop()
@@ -449,6 +501,7 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
                 scored = scorer.score(Positions(hidden[row, :length], layer, logits[row, :length]), ids[row, :length])
                 pass_.scored.append(scored.padded(kept))
 
+    @torch.no_grad()
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
             hidden, ids, _, _ = waiting.pop(0)
@@ -496,19 +549,18 @@ def _finished(scored: list[Any], trl_logps: Any) -> tuple[Any, Any]:
     return torch.cat(shifts).reshape(trl_logps.shape), torch.cat(kept).reshape(trl_logps.shape)
 
 
-def _hand_on(trainer: Any, rollout: _Rollout, output: dict[str, Any]) -> None:
-    """TRL's ratio and metrics are computed; the loss gets TRL's own old log-probs, and vLLM's in full-vocabulary
-    terms."""
-    if output.get("old_per_token_logps") is rollout.processed_logps:
-        output["old_per_token_logps"] = rollout.trl_logps
+def _hand_on(trainer: Any, scored: _Rollout | _Processed, output: dict[str, Any]) -> None:
+    """The loss gets vLLM's log-probs in full-vocabulary terms (the off-policy mask reads them against TRL's policy);
+    the kept share is counted. ``scored``: a rollout's scoring pass, or a loss pass standing in for it."""
+    shift, log_kept = scored.shift, scored.log_kept
     mask = output["completion_mask"]
     if "tool_mask" in output:
         mask = mask * output["tool_mask"]
-    shift = rollout.shift * mask
+    shift = shift * mask
     sampling = output.get("sampling_per_token_logps")
     if sampling is not None and sampling.shape == shift.shape:
         output["sampling_per_token_logps"] = sampling - shift
-    metrics.count_mean(trainer, SAMPLING_KEPT_MASS, (rollout.log_kept.exp() * mask).sum(), mask.sum())
+    metrics.count_mean(trainer, SAMPLING_KEPT_MASS, (log_kept.exp() * mask).sum(), mask.sum())
 
 
 def _step_aside(trainer: str, reason: str, level: int) -> None:
