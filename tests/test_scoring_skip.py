@@ -2,7 +2,7 @@
 the old log-probs, the importance-sampling ratio and TRL's sampling metrics, and training is what it was.
 
 TRL's real GRPOTrainer (vLLM colocate, the engine stand-in) and RLOOTrainer, trained with the fix off and on from the
-same seed. On a text model every logged value, the loss and the parameters after three steps at learning rate 1e-2
+same seed. On a text model every logged value, the loss and the parameters after two steps at learning rate 1e-2
 are bit-identical (float32 and bf16). On the mixed image batch TRL's own two passes of one row differ at float32
 rounding (the vision tower's arithmetic depends on which rows it batches), so there the values agree within rounding.
 """
@@ -24,7 +24,7 @@ TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps
 
 
 def by_row(completions: list[Any], **_: Any) -> list[float]:
-    """Rewards that differ within every group (the completions of one prompt are alike under a fixed seed)."""
+    """Rewards that differ within every group (the completions of one prompt are alike under a seed per request)."""
     return [float(row % 3) for row in range(len(completions))]
 
 
@@ -63,13 +63,15 @@ def train(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool, kind: str = "grpo", **overrides: Any
 ) -> Run:
     import trl.generation.vllm_generation as vllm_generation
-    from transformers import AutoProcessor
+    from transformers import AutoProcessor, set_seed
 
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
     from trl_vlm_fixes.selftest.fixtures import build_trainer, text_dataset
 
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
     monkeypatch.setenv("TRL_VLM_FIXES_SCORING_SKIP", "1" if skip else "0")
+    for variable, setting in overrides.pop("switches", {}).items():
+        monkeypatch.setenv(variable, setting)
     trl_vlm_fixes.revert()
     trl_vlm_fixes.apply()
     settings: dict[str, Any] = {
@@ -81,7 +83,6 @@ def train(
         "max_completion_length": 16,
         "max_steps": 3,
         "learning_rate": 1e-2,
-        "generation_kwargs": {"seed": 0},
         "reward_funcs": by_row,
         "dataset": text_dataset(),
         **overrides,
@@ -90,6 +91,7 @@ def train(
         settings.setdefault("beta", 0.0)
     processor = AutoProcessor.from_pretrained(model_dir)
     out = tmp_path / f"{kind}-{'on' if skip else 'off'}"
+    set_seed(0)  # TRL makes a PEFT model's adapters before its own set_seed: the same adapters in both runs
     return Run(build_trainer(model_dir, processor, str(out), kind, **settings))
 
 
@@ -128,10 +130,16 @@ def needs_trl_1_9_1() -> None:
 GRPO_VARIANTS: dict[str, dict[str, Any]] = {
     # sampling_parity's cut (the loss pass scores the processed distribution), TRL's token-level truncation
     "float32, top_k, token_truncate": {
-        "generation_kwargs": {"seed": 0, "top_k": 20},
+        "generation_kwargs": {"top_k": 20},
         "vllm_importance_sampling_mode": "token_truncate",
     },
-    "bf16, gradient checkpointing, reference model, off-policy mask": {
+    # sampling_parity off: TRL's ratio carries its bf16 rounding, so it differs row by row (a row mapped to another
+    # row's vLLM log-probs changes the loss)
+    "bf16, gradient checkpointing, reference model, off-policy mask, TRL's own ratio": {
+        "switches": {"TRL_VLM_FIXES_SAMPLING_PARITY": "0"},
+        # tight bounds: rows on both sides of TRL's mask
+        "vllm_importance_sampling_clip_min": 0.999,
+        "vllm_importance_sampling_clip_max": 1.001,
         "bf16": True,
         "model_init_kwargs": {"dtype": "bfloat16"},
         "gradient_checkpointing": True,
@@ -157,6 +165,10 @@ def test_grpo_trains_the_same_without_the_scoring_pass(
     assert on.gathers == off.gathers  # TRL's five ratio gathers moved to the last micro-batch: none added or lost
     for log in on.logs[:2]:
         assert "sampling/importance_sampling_ratio/mean" in log  # the fix's: TRL computed none in the rollout
+    if "switches" in GRPO_VARIANTS[variant]:  # the ratio is not 1 everywhere: the rows' mapping shows in the loss
+        assert (
+            on.logs[0]["sampling/importance_sampling_ratio/min"] != on.logs[0]["sampling/importance_sampling_ratio/max"]
+        )
     assert_bit_identical(on, off, steps=2)
 
 
@@ -203,7 +215,13 @@ def test_the_mixed_image_batch_trains_the_same_within_rounding(
     needs_trl_1_9_1()
     from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, mixed_dataset
 
-    overrides = {"max_steps": 2, "learning_rate": 1e-6, "dataset": mixed_dataset(MIXED_SAMPLES)}
+    # a seed per request: the image path's random state differs between the runs (the completions would differ)
+    overrides = {
+        "max_steps": 2,
+        "learning_rate": 1e-6,
+        "dataset": mixed_dataset(MIXED_SAMPLES),
+        "generation_kwargs": {"seed": 0},
+    }
     off = train(tiny_model_dir, tmp_path, monkeypatch, False, **overrides)
     on = train(tiny_model_dir, tmp_path, monkeypatch, True, **overrides)
     assert off.no_grad_passes == 4 and on.no_grad_passes == 0 and on.deferred_micro_batches == 4
@@ -219,9 +237,9 @@ def test_the_mixed_image_batch_trains_the_same_within_rounding(
     [
         ({"gradient_accumulation_steps": 1}, "is not a multiple of steps_per_generation"),
         ({"num_iterations": 2}, "num_iterations=2"),
-        ({"vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction is off"),
+        ({"vllm_importance_sampling_correction": False, "off_policy_mask_threshold": 0.5}, "correction is off"),
     ],
-    ids=["misaligned", "num_iterations 2", "no correction"],
+    ids=["misaligned", "num_iterations 2", "no correction (sampling_parity's pass for the mask)"],
 )
 def test_it_steps_aside_where_the_passes_differ_or_trl_runs_none(
     overrides: dict[str, Any],
@@ -235,7 +253,7 @@ def test_it_steps_aside_where_the_passes_differ_or_trl_runs_none(
     needs_trl_1_9_1()
     caplog.set_level(logging.INFO, logger="trl_vlm_fixes")
     on = train(tiny_text_model_dir, tmp_path, monkeypatch, True, max_steps=1, **overrides)
-    assert on.deferred_micro_batches == 0
+    assert on.deferred_micro_batches == 0 and on.no_grad_passes > 0  # TRL's pass ran
     assert any(reason in record.getMessage() and "scoring_skip" in record.getMessage() for record in caplog.records)
 
 

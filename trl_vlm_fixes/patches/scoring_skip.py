@@ -25,11 +25,15 @@ later in the step), and logged once per generation batch: the same values in the
 
 It acts only on the rollouts TRL's training loop makes (``_prepare_inputs``), whose output TRL's shuffle, split and
 loss passes consume; a rollout called from anywhere else keeps its pass and a complete output. It steps aside (TRL's
-pass runs, one line says why) where that does not hold: misaligned steps or
-``num_iterations > 1`` (the weights change between the passes), GRPO without vLLM or without the correction (TRL runs
-no such pass), RLOO with ``beta > 0`` (its KL penalty enters the rewards from the rollout's log-probs, before any loss
-pass), Liger's loss (no per-token log-probs), evaluation, and a trainer whose rollout or loss methods are not TRL
-1.9.1's (TRL >= 1.16 among them, or a subclass that overrides them).
+pass runs, one line says why) where that does not hold: misaligned steps or ``num_iterations > 1`` (the weights
+change between the passes), GRPO without vLLM or without the correction (TRL runs no such pass), RLOO without vLLM
+(not proven there), RLOO with ``beta > 0`` (its KL penalty enters the rewards from the rollout's log-probs, before any
+loss pass), Liger's loss (no per-token log-probs), evaluation, and a trainer whose rollout, scoring or loss methods
+are not TRL 1.9.1's (TRL >= 1.16 among them, or a subclass that overrides them).
+
+Not measured: the loss pass's peak memory. Where sampling_parity processes a cut (top-k, top-p, min-p), its float32
+chunks (up to 67,108,864 elements, 256 MiB) now run inside the loss pass, at its activation peak, not in a
+no-gradient pass.
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ PROVEN_SOURCES: dict[str, dict[str, str]] = {
         _ROLLOUT: "da3b7eb07b6398e7",
         "compute_loss": "4f555f9407fe50c8",
         _LOSS: "9721cd3affc33b37",
+        _SCORING: "4af3691399f30834",
     },
     "RLOOTrainer": {
         "_prepare_inputs": "f824e7fb07147956",
         _ROLLOUT: "ff4a6e3f0820deff",
         "compute_loss": "3fc1ac07b5c41d31",
         _LOSS: "c1f9fa0cd5a6948c",
+        _SCORING: "f6a06497779df70e",
     },
 }
 
@@ -116,7 +122,8 @@ def _aligned_problem(trainer: Any) -> str | None:
     return None
 
 
-_NO_VLLM = "GRPO scores no pass for the importance-sampling ratio when steps are aligned"
+# GRPO without vLLM runs no such pass on aligned steps; RLOO's is kept there (the fix is proven with vLLM's rollouts)
+_NO_VLLM = "GRPO scores no pass for the importance-sampling ratio when steps are aligned, RLOO keeps its pass"
 
 
 def _installed_problem() -> str | None:
@@ -129,9 +136,9 @@ def _installed_problem() -> str | None:
 def scope(trainer: Any) -> str | None:
     """Why this trainer keeps TRL's scoring pass, or None where its loss passes give the same log-probs."""
     kind = _trl_kind(type(trainer))
+    if not getattr(trainer, "use_vllm", False):
+        return f"use_vllm is off: {_NO_VLLM}"
     if kind == "GRPOTrainer":
-        if not getattr(trainer, "use_vllm", False):
-            return f"use_vllm is off: {_NO_VLLM}"
         if not (trainer.vllm_importance_sampling_correction and trainer.args.vllm_importance_sampling_correction):
             return "vllm_importance_sampling_correction is off: TRL scores no pass for a ratio when steps are aligned"
         if getattr(trainer, "use_liger_kernel", False):
