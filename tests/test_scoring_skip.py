@@ -137,9 +137,6 @@ GRPO_VARIANTS: dict[str, dict[str, Any]] = {
     # row's vLLM log-probs changes the loss)
     "bf16, gradient checkpointing, reference model, off-policy mask, TRL's own ratio": {
         "switches": {"TRL_VLM_FIXES_SAMPLING_PARITY": "0"},
-        # tight bounds: rows on both sides of TRL's mask
-        "vllm_importance_sampling_clip_min": 0.999,
-        "vllm_importance_sampling_clip_max": 1.001,
         "bf16": True,
         "model_init_kwargs": {"dtype": "bfloat16"},
         "gradient_checkpointing": True,

@@ -94,15 +94,22 @@ def _source_hash(function: Any) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-@functools.cache
 def _source_problem(cls: type) -> str | None:
+    """Why ``cls``'s methods are not the ones proven, or None; asked again whenever a method is replaced (a subclass,
+    a patch after the first trainer: the answer is kept per set of functions, not per class)."""
     kind = _trl_kind(cls)
     if kind is None:
         return f"{cls.__name__} is neither TRL's GRPOTrainer nor its RLOOTrainer"
-    changed = [name for name, proven in PROVEN_SOURCES[kind].items() if _source_hash(getattr(cls, name)) != proven]
+    functions = tuple((name, inspect.unwrap(getattr(cls, name))) for name in PROVEN_SOURCES[kind])
+    return _functions_problem(cls.__name__, kind, functions)
+
+
+@functools.cache
+def _functions_problem(owner: str, kind: str, functions: tuple[tuple[str, Any], ...]) -> str | None:
+    changed = [name for name, function in functions if _source_hash(function) != PROVEN_SOURCES[kind][name]]
     if changed:
         return (
-            f"{cls.__name__}'s {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not TRL 1.9.1's, where the "
+            f"{owner}'s {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not TRL 1.9.1's, where the "
             "loss pass is proven to give the scoring pass's log-probs"
         )
     return None
