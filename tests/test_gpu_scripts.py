@@ -251,3 +251,24 @@ def test_fused_logprob_check_script_dry_run(tmp_path: Path) -> None:
         assert row["log_prob_finite"] and row["log_kept_finite"], row
         assert row["log_prob_max"] < 4e-6 and row["log_prob_completion_sum_max"] < 1e-4, row
     assert report["kernel_trusted"] is True and "fused ms" in stdout
+
+
+def test_weight_push_script_dry_run(tmp_path: Path) -> None:
+    """weight_buckets' GPU record through the colocated stand-in: both variants push in one process, the bucketed one
+    in fewer load_weights calls, and the engine's weights after each variant's last push (into NaN) are bit for bit
+    the same, and the trainer's."""
+    report, stdout = _run(GPU / "weight_push.py", tmp_path / "push.json", "--stand-in", "--tiny", "--repeat", "2")
+    off, on = report["variants"]["off"], report["variants"]["on"]
+    assert off["fix_state"] == "disabled" and on["fix_state"] == "applied" and on["aside_reason"] is None, on
+    for result in (off, on):
+        assert result["pushes"] == 2 + 2 and len(result["push_s"]) == 2 and result["push_s_best"] > 0, result
+        assert result["tensors_per_push"] == report["parameters"] > 0
+        assert result["verification_push_poisoned_parameters"] == report["parameters"]
+        assert result["engine_parameters_not_finite_count"] == 0
+        versus = result["engine_vs_trainer"]
+        assert versus["tensors_exact"] == versus["tensors_compared"] == report["parameters"], versus
+    assert off["load_weights_calls"] == report["parameters"] and on["load_weights_calls"] < off["load_weights_calls"]
+    assert on["verification_push_load_weights_calls"] == on["load_weights_calls"]
+    weights = report["engine_weights"]
+    assert weights["identical"] and weights["parameters"]["compared"] == report["parameters"], weights
+    assert report["ratio_off_on_best"] > 0 and "ratio off/on" in stdout and "bit-identical" in stdout
