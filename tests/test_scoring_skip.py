@@ -108,14 +108,15 @@ def trl_logs(run: Run) -> list[dict[str, Any]]:
     return [{k: v for k, v in log.items() if not k.startswith("trl_vlm_fixes/")} for log in run.logs]
 
 
-def assert_bit_identical(on: Run, off: Run, steps: int) -> None:
+def assert_bit_identical(on: Run, off: Run, steps: int, moves_weights: bool = True) -> None:
     assert len(on.logs) == len(off.logs) == steps + 1  # the steps and the summary
     for step_on, step_off in zip(trl_logs(on), trl_logs(off), strict=True):
         assert step_on == step_off
     for step_on, step_off in zip(on.logs, off.logs, strict=True):  # the plugin's own: the same up to summation order
         for key in (k for k in step_off if k.startswith("trl_vlm_fixes/")):
             assert step_on[key] == pytest.approx(step_off[key], rel=1e-6), key
-    assert max((p - off.initial[n]).abs().max().item() for n, p in off.parameters.items()) > 1e-3  # it trained
+    if moves_weights:  # it trained (bf16 weights can keep their values: an update below their spacing is lost)
+        assert max((p - off.initial[n]).abs().max().item() for n, p in off.parameters.items()) > 1e-3
     for name, parameter in off.parameters.items():
         assert torch.equal(on.parameters[name], parameter), name
 
@@ -166,7 +167,7 @@ def test_grpo_trains_the_same_without_the_scoring_pass(
         assert (
             on.logs[0]["sampling/importance_sampling_ratio/min"] != on.logs[0]["sampling/importance_sampling_ratio/max"]
         )
-    assert_bit_identical(on, off, steps=2)
+    assert_bit_identical(on, off, steps=2, moves_weights=not GRPO_VARIANTS[variant].get("bf16", False))
 
 
 def test_peft_with_a_reference_pass_keeps_that_pass_and_drops_the_scoring_one(
