@@ -116,17 +116,10 @@ def main() -> None:
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
     from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, build_trainer, mixed_dataset
     from trl_vlm_fixes.selftest.rollout_schedule import standin_engine_installed
-    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm, sized_text
 
     torch.set_num_threads(1)
-    text: dict[str, object] = {  # head_dim 16: the tiny checkpoints' M-RoPE sections
-        "num_hidden_layers": args.layers,
-        "hidden_size": args.hidden,
-        "intermediate_size": 2 * args.hidden,
-        "num_attention_heads": max(1, args.hidden // 16),
-        "num_key_value_heads": 1,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)],
-    }
+    text = sized_text(args.layers, args.hidden)
 
     def train(model_dir: Any, processor: Any, output_dir: str, on: bool) -> Timed:
         timed = Timed()

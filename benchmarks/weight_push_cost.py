@@ -35,19 +35,11 @@ def main() -> None:
     import trl_vlm_fixes
     from trl_vlm_fixes.patches.weight_buckets import DEFAULT_BUCKET_MB, aside_reason
     from trl_vlm_fixes.selftest.checks.weight_buckets import push_setup
-    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm
+    from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm, sized_text
     from trl_vlm_fixes.selftest.vllm_model import cpu_platform, release_world
 
     torch.set_num_threads(1)
-    text: dict[str, object] = {  # head_dim 16: the tiny checkpoints' M-RoPE sections
-        "num_hidden_layers": args.layers,
-        "hidden_size": args.hidden,
-        "intermediate_size": 2 * args.hidden,
-        "num_attention_heads": max(1, args.hidden // 16),
-        "num_key_value_heads": 1,
-    }
-    if args.family.startswith("qwen3_5"):  # three Gated-DeltaNet layers to one full-attention layer, as released
-        text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+    text = sized_text(args.layers, args.hidden, args.family)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_tiny_qwen35_vlm(scratch, text=text, family=args.family)
         setup = push_setup(model_dir, AutoProcessor.from_pretrained(model_dir))

@@ -235,6 +235,22 @@ def build_tiny_qwen3_text(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
+def sized_text(layers: int, hidden: int, family: str = "qwen3_5") -> dict[str, Any]:
+    """A text config of ``layers`` decoder layers of width ``hidden`` for ``build_tiny_qwen35_vlm`` (the benchmarks'
+    sizes): head_dim 16, the tiny checkpoints' M-RoPE sections; Qwen3.5's families three Gated-DeltaNet layers to one
+    full-attention layer, as released."""
+    text: dict[str, Any] = {
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": max(1, hidden // 16),
+        "num_key_value_heads": 1,
+    }
+    if family.startswith("qwen3_5"):
+        text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return text
+
+
 def build_tiny_qwen35_vlm(
     directory: str | Path,
     seed: int = 0,
