@@ -189,12 +189,14 @@ def log_probs(
     temperature: float,
     runner: str,
     banned: tuple[int, ...] = (),
+    accurate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For ``logits`` [rows, positions, vocabulary] (any float dtype, columns packed; a view of TRL's) and the sampled
     ``ids`` [rows * positions]: (plain, kept, log_kept) [rows * positions] float32: the log-prob of each token under
     the plain distribution at ``temperature``, under the distribution without ``banned`` (the sampled token kept), and
     the log of the kept share; NaN past each row's length (``lengths``; all positions without). Without a ban, kept is
-    plain and log_kept 0."""
+    plain and log_kept 0. ``accurate``: libdevice's exp/log (default on CUDA tensors) or Triton's own (what V2's
+    log-softmax kernel uses; a GPU record compares both)."""
     rows, width, vocabulary = logits.shape
     assert logits.stride(2) == 1, "each position's logits are read as one packed row"
     device = logits.device
@@ -223,7 +225,7 @@ def log_probs(
             vocabulary,
             BANNED=len(banned),
             SCALE=scale,
-            ACCURATE=logits.is_cuda,
+            ACCURATE=logits.is_cuda if accurate is None else accurate,
             BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(vocabulary)),
         )
     return plain, kept, log_kept
