@@ -266,6 +266,52 @@ def fused_head_record(
     }
 
 
+def engine_function_record(
+    positions: int, vocabulary: int, device: torch.device, kernel: Any, v2: V2
+) -> dict[str, Any]:
+    """Section C, temperature 1: the engine's own log-softmax run on TRL's bf16 logits without a float32 copy, bit
+    for bit against the same function on the float32 copy the engine makes (V1: torch's ``log_softmax(...,
+    dtype=float32)``; V2: ``compute_token_logprobs``, which upcasts each element as it reads it), and the time of
+    each way over ``positions`` positions in the fix's chunks (``processed.CHUNK_ELEMENTS``)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    logits = trained_logits(positions, vocabulary, device, seed=4)
+    ids = sampled(logits, seed=5)
+    step = max(1, processed.CHUNK_ELEMENTS // vocabulary)
+
+    def over_chunks(path: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: torch.cat([path(a, b) for a, b in zip(logits.split(step), ids.split(step), strict=True)])
+
+    def v1_copy(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return Sampler.compute_logprobs(part.float()).gather(1, chosen[:, None]).squeeze(1)
+
+    def v1_upcast(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(part, dim=-1, dtype=torch.float32).gather(1, chosen[:, None]).squeeze(1)
+
+    def v2_copy(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return v2.engine.logprobs(part.float(), chosen[:, None])
+
+    def v2_direct(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return v2.engine.logprobs(part, chosen[:, None])
+
+    def one_pass(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return fused_logprob.log_probs(kernel, part[None], chosen, None, 1.0, V1_RUNNER)[0]
+
+    ways = {"v1 copy": v1_copy, "v1 upcast": v1_upcast, "v2 copy": v2_copy, "v2 direct": v2_direct, "kernel": one_pass}
+    values, times = {}, {}
+    for name, path in ways.items():
+        values[name], times[name] = timed_ms(over_chunks(path), device)
+    return {
+        "section": "engine functions",
+        "positions": positions,
+        "vocabulary": vocabulary,
+        "chunk_positions": step,
+        "v1_upcast_differing": int((values["v1 upcast"] != values["v1 copy"]).sum()),
+        "v2_direct_differing": int((values["v2 direct"] != values["v2 copy"]).sum()),
+        "ms": times,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=8, help="completions")
@@ -274,6 +320,7 @@ def main() -> None:
     parser.add_argument("--temperatures", default="1.0,0.7")
     parser.add_argument("--hidden", type=int, default=2048, help="TRL 1.16 section: the output layer's input size")
     parser.add_argument("--trl116", default="", help="TRL 1.16's trl/kernels/chunked_logprob.py (section B)")
+    parser.add_argument("--positions", type=int, default=16384, help="section C: positions timed (16 x 1,024)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes")
     parser.add_argument("--out", default="logprob_arithmetic.json")
     args = parser.parse_args()
@@ -297,6 +344,8 @@ def main() -> None:
         "results": [],
     }
     for vocabulary in vocabularies:
+        positions = 256 if args.dry_run else args.positions
+        report["results"].append(engine_function_record(positions, vocabulary, device, kernel, v2))
         for temperature in temperatures:
             started = time.perf_counter()
             report["results"].append(logits_record(rows * width, width, vocabulary, temperature, device, kernel, v2))
@@ -314,6 +363,13 @@ def print_report(report: dict[str, Any]) -> None:
     line = "{:>8} {:>4} {:<40} {:>9} {:>10} {:>10}"
     print(line.format("vocab", "T", "pair", "max", "bias", "sum max"))
     for record in report["results"]:
+        if record["section"] == "engine functions":
+            times = ", ".join(f"{name} {ms:.1f}" for name, ms in record["ms"].items())
+            print(
+                f"{record['vocabulary']:>8} engine functions on {record['positions']} positions: V1 upcast differs in "
+                f"{record['v1_upcast_differing']}, V2 direct in {record['v2_direct_differing']}; ms: {times}"
+            )
+            continue
         pairs: list[tuple[str, dict[str, Any]]] = []
         if record["section"] == "same logits":
             pairs += [(f"engine {k} - float64", v) for k, v in record["engine_vs_float64"].items()]
