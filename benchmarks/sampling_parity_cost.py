@@ -135,8 +135,6 @@ def main() -> None:
             measured[label] = seconds
             cells = [f"{t * 1e3:7.1f} ms {t / seconds_pass:7.2%} {t / tokens * 1e6:6.1f} us/t" for t in seconds]
             print(f"  {name:<28} {label:<7} {cells[0]:>30} {cells[1]:>34}")
-            if (fused := getattr(core, "fused_logprob", None)) is not None and fused.verdict.trusted is not None:
-                print(f"  {'':<28} {label:<7} the one-pass kernel trusted (first-call check): {fused.verdict.trusted}")
         if "before" in measured:
             ratios = [after / before for after, before in zip(measured["after"], measured["before"], strict=True)]
             print(f"  {'':<28} {'ratio':<7} {ratios[0]:>29.2f}x {ratios[1]:>33.2f}x  (after / before)")

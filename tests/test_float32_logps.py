@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trl_vlm_fixes.patches.sampling_parity import processed
-from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution, read_distribution
+from trl_vlm_fixes.patches.sampling_parity.distribution import V2_RUNNER, SamplingDistribution, read_distribution
 
 VOCABULARY = 4096
 SCALE = 4.5  # logits of std 4.5 over 4,096 tokens: ~2.5 nats of entropy, a trained model's spread
@@ -119,19 +119,49 @@ def test_trls_float32_log_softmax_is_replaced_by_vllms_arithmetic_too() -> None:
     assert torch.all(log_kept == 0)
 
 
-def test_a_fused_heads_float32_log_probs_are_used_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRL 1.16's fused head keeps no logits and gives float32 log-probs: nothing cut costs nothing there (no pass
-    over the vocabulary, no projection), TRL's log-prob unchanged."""
+def test_a_fused_heads_float32_log_probs_are_used_as_they_are_where_the_engine_runs_v2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TRL 1.16's fused head keeps no logits and gives float32 log-probs; against V2's log-softmax (unbiased block sums,
+    as TRL's online sum) they are within ~1e-4 of the weight at 2,048 tokens on an H100: nothing cut costs nothing
+    there (no pass over the vocabulary, no projection), TRL's log-prob unchanged."""
     hidden = torch.randn(32, 8)
     layer = processed.OutputLayer(torch.randn(64, 8))
     trl = torch.log_softmax(layer.logits(hidden), -1)[:, 0]
     monkeypatch.setattr(processed.Positions, "plain_log_probs", lambda *a: pytest.fail("a pass over the vocabulary"))
     monkeypatch.setattr(processed.OutputLayer, "logits", lambda *a: pytest.fail("a projection"))
     positions = processed.Positions(hidden, layer)
-    assert not positions.own_log_probs
+    distribution = SamplingDistribution(temperature=1.0, runner=V2_RUNNER)
+    assert not processed.Scorer(distribution, 1.0).own_plain(positions)
     ids = torch.zeros(32, dtype=torch.long)
-    shift, log_kept = processed.score(positions, ids, SamplingDistribution(temperature=1.0), 1.0).finish(trl)
+    shift, log_kept = processed.score(positions, ids, distribution, 1.0).finish(trl)
     assert torch.all(shift == 0) and torch.all(log_kept == 0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["temperature 1", "temperature 0.7"])
+def test_trl_116s_fused_head_is_projected_again_where_the_engine_runs_v1(temperature: float) -> None:
+    """TRL 1.16's real fused head on a bf16 output layer whose product is the engine's bf16 logits: its online
+    log-sum-exp (the temperature a multiplication by its reciprocal) is not V1's ``log_softmax`` of the divided
+    logits, one-signed, so a 2,048-token completion's weight is off by more than 1e-4; the fix projects the hidden
+    states again and runs the engine's own steps on them: vLLM's log-prob bit for bit, the weight 1."""
+    chunked = pytest.importorskip("trl.kernels.chunked_logprob", reason="TRL 1.16's fused head is not installed")
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2048, 64, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(VOCABULARY, 64, generator=generator) * (SCALE / 8)).to(torch.bfloat16)
+    logits = torch.nn.functional.linear(hidden, weight)  # the engine's output layer: bf16 logits
+    ids, engine = vllm_log_probs(logits, {"temperature": temperature})
+    with torch.no_grad():
+        trl = chunked.ChunkedLogProbFunction.apply(hidden, weight, None, ids, temperature, 32768, None, 1.0, ())[0]
+    assert trl.dtype == torch.float32
+    assert abs(sequence_weight(trl, engine) - 1.0) > 1e-4, sequence_weight(trl, engine)  # the bug, on TRL's kernel
+
+    positions = processed.Positions(hidden, processed.OutputLayer(weight))
+    distribution = SamplingDistribution(temperature=temperature)
+    assert processed.Scorer(distribution, temperature).own_plain(positions)
+    shift, log_kept = processed.score(positions, ids, distribution, temperature).finish(trl)
+    assert torch.equal(trl + shift, engine), float((trl + shift - engine).abs().max())
+    assert abs(sequence_weight(trl + shift, engine) - 1.0) < 1e-4
+    assert torch.all(log_kept == 0)
 
 
 def test_a_cut_at_trls_temperature_takes_its_kept_share_from_trls_float32_normaliser() -> None:
@@ -175,8 +205,11 @@ def float32_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def bf16_model_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Qwen3.5 VLM built during the test gives bf16 logits, as a bf16 model's output layer does: the trainer's
-    scoring and loss passes get bf16 tensors, the engine stand-in upcasts its own to float32 as vLLM does."""
+    """Every Qwen3.5 VLM built during the test gives bf16 logits, as a bf16 model's output layer does: the backbone's
+    last hidden states and the output layer's weight are bf16 in its product, which is bf16. TRL 1.9.1's scoring and
+    loss passes get bf16 logits, TRL 1.16's fused head multiplies the same bf16 tiles, the engine stand-in upcasts
+    its own to float32 as vLLM does; the rest of the model stays float32 (the engine's decode and the trainer's
+    forward give the same hidden states: a mismatch of their own would hide the arithmetic)."""
     import transformers
 
     model_class = transformers.Qwen3_5ForConditionalGeneration
@@ -185,7 +218,15 @@ def bf16_model_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     def bf16_post_init(self: Any) -> None:
         post_init(self)
         head = self.get_output_embeddings()
-        head.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16))
+
+        def bf16_product(hidden: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(hidden.to(torch.bfloat16), head.weight.to(torch.bfloat16), head.bias)
+
+        def bf16_hidden_states(module: Any, args: Any, output: Any) -> None:
+            output.last_hidden_state = output.last_hidden_state.to(torch.bfloat16)
+
+        head.forward = bf16_product
+        self.base_model.register_forward_hook(bf16_hidden_states)
 
     monkeypatch.setattr(model_class, "post_init", bf16_post_init)
 
@@ -209,9 +250,8 @@ def test_grpo_with_a_bf16_models_logits_weighs_one_with_the_fix(
     one_fix_off: Callable[[str], None],
 ) -> None:
     """TRL's real GRPOTrainer, colocate, the engine stand-in (vLLM's Sampler), identical weights, bf16 logits, the
-    plugin's default ban, no truncation, 96-token completions: upstream the weight is bf16 rounding; with the fix 1."""
-    if not trls_scoring_pass_makes_logits():
-        pytest.skip("TRL's fused head scores from the hidden states in float32: no bf16 logits reach its log-softmax")
+    plugin's default ban, no truncation, 96-token completions: upstream the weight is bf16 rounding (TRL 1.9.1) and
+    the ban the trainer does not know (every TRL); with the fix 1."""
     import trl.generation.vllm_generation as vllm_generation
     from transformers import AutoProcessor
 

@@ -241,16 +241,28 @@ def test_v2_sampler_kernels_script_dry_run(tmp_path: Path) -> None:
     assert "min-p boundary rows" in stdout
 
 
-def test_fused_logprob_check_script_dry_run(tmp_path: Path) -> None:
-    """The one-pass log-prob kernel (interpreted here) against the torch path: finite, within float32's rounding on
-    every setting, the completion's summed gap far below the 1e-4 the IS weight may move."""
-    report, stdout = _run(GPU / "fused_logprob_check.py", tmp_path / "fused.json", "--dry-run")
-    [result] = report["results"]
-    assert len(result["settings"]) == 5
-    for row in result["settings"]:
-        assert row["log_prob_finite"] and row["log_kept_finite"], row
-        assert row["log_prob_max"] < 4e-6 and row["log_prob_completion_sum_max"] < 1e-4, row
-    assert report["kernel_trusted"] is True and "fused ms" in stdout
+def test_logprob_arithmetic_script_dry_run(tmp_path: Path) -> None:
+    """The log-prob arithmetic record (kernels interpreted here): the fix's plain log-prob is V1's engine function's,
+    bit for bit, from TRL's logits and from hidden states projected again (TRL 1.16's fused head, where its kernel is
+    installed); every value finite; the engine functions' timing section ran."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl.kernels") and importlib.util.find_spec("trl.kernels.chunked_logprob")
+    trl116 = ["--trl116", spec.origin] if spec and spec.origin else []
+    report, stdout = _run(GPU / "logprob_arithmetic.py", tmp_path / "arithmetic.json", "--dry-run", *trl116)
+    sections = [record["section"] for record in report["results"]]
+    assert sections.count("same logits") == 2 and sections.count("engine functions") == 1, sections
+    for record in report["results"]:
+        if record["section"] == "engine functions":
+            assert record["v1_upcast_differing"] == 0 and set(record["ms"]) >= {"v1 copy", "v2 copy"}, record
+        elif record["section"] == "same logits":
+            fix = record["trainer_vs_engine"]["the fix (V1)"]
+            assert fix["finite"] and fix["max"] == 0.0, fix
+        else:
+            reprojected = record["reprojected_vs_engine"]["v1"]
+            assert reprojected["finite"] and reprojected["max"] == 0.0, reprojected
+    assert sections.count("TRL 1.16's fused head") == (2 if trl116 else 0)
+    assert "engine v1 - float64" in stdout
 
 
 def test_weight_push_script_dry_run(tmp_path: Path) -> None:

@@ -647,16 +647,14 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
         pytest.skip(f"vLLM's kernel path is proven on vLLM 0.25.1's and 0.31.0's kernel files, on the CPU: {reason}")
     from trl_vlm_fixes.patches.sampling_parity import kernel_copy
 
-    if name == "top_p" and kernel_copy.proven_version() == "0.31.0":
-        pytest.skip(
-            "vLLM 0.31 (CI time): the run without the fix samples every step of top-p alone through the split-row "
-            "pipeline (~300 s in Triton's interpreter); the one rule of engine and trainer for top-p alone is "
-            "proven on 0.31's kernels in tests/test_kernel_copy_031.py, the bf16 ties end to end by [top_k ties]"
-        )
     from trl_vlm_fixes.selftest.fixtures import text_dataset
 
     batch = {"per_device_train_batch_size": 8, "num_generations": 2, "dataset": text_dataset()}  # 8 requests
     batch["max_completion_length"] = SHORT  # the upstream weight is below 0.95 already; the interpreter is slow
+    if name == "top_p" and kernel_copy.proven_version() == "0.31.0":
+        # vLLM 0.31 samples each upstream step of top-p alone through its split-row pipeline, ~18 s a token in
+        # Triton's interpreter here: fewer tokens, where the one-signed gap of its split rule already shows
+        batch["max_completion_length"] = 6
     with_fix = logged(train_one_step(bf16_model_dir, tmp_path / "on", settings, **batch))
     one_fix_off("sampling_parity")
     upstream = logged(train_one_step(bf16_model_dir, tmp_path / "off", settings, **batch))

@@ -4,20 +4,23 @@
 The engine's log-prob of a sampled token, as vLLM 0.25.1 computes it on CUDA: V1 divides a float32 copy of the logits by
 the request's temperature tensor (``Sampler.apply_temperature``) and runs torch's ``log_softmax``
 (``Sampler.compute_logprobs``); V2 runs its own Triton temperature kernel and its Triton log-softmax
-(``compute_token_logprobs``: Triton's own ``exp``/``log``). Each is compared with float64 arithmetic on the same
+(``compute_token_logprobs``: block sums of Triton's own ``exp``). Each is compared with float64 arithmetic on the same
 float32 values (its own rounding, and whether it is one-signed), and each trainer path with the engine it faces:
-sampling_parity's torch path (``Positions.plain_log_probs``: the engine's temperature step, torch's ``log_softmax``),
-its one-pass kernel (``fused_logprob``, libdevice's exp/log, and Triton's own as V2 uses), the kernel fed logits the
-engine's temperature step already divided (to tell the division from the sum), and TRL 1.16's fused head
+sampling_parity's plain log-prob (``Positions.plain_log_probs``: the engine's temperature step and its own
+log-softmax, from TRL 1.9.1's logits or from hidden states projected again), and TRL 1.16's fused head
 (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``: the logits projected in 32,768-token tiles and folded into an
 online log-sum-exp, the temperature a multiplication by its reciprocal) on hidden states and an output layer whose
 bf16 product is the engine's logits.
 
 Per pair: the largest |difference| per token, the mean signed difference (a bias adds up over a completion), and the
 largest |sum| over one completion of ``--width`` tokens (the log of the IS weight's error at that length). Also the
-milliseconds of one projection of every position through the output layer (what a second projection would cost the
-fix on TRL 1.16) against TRL 1.16's fused head on the same positions. ``--dry-run``: the CPU, small shapes, Triton's
-interpreter (a check of the script). ``--trl116 PATH``: TRL 1.16's ``chunked_logprob.py`` (the bundles hold TRL 1.9.1).
+milliseconds, over ``--positions`` positions in the fix's chunks, of each engine function on a float32 copy against
+the same function without the copy (bit for bit?), of one projection of every position through the output layer,
+and of TRL 1.16's fused head. ``--dry-run``: the CPU, small shapes, Triton's interpreter (a check of the script).
+``--trl116 PATH``: TRL 1.16's ``chunked_logprob.py`` (the bundles hold TRL 1.9.1).
+
+The record of 2026-12-07 (docs/gpu-logprob-arithmetic.json) was taken at b628cc7, when the script also ran
+sampling_parity's one-pass kernel (removed after it: one-signed against both engines).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trl_vlm_fixes.patches.sampling_parity import fused_logprob, processed
+from trl_vlm_fixes.patches.sampling_parity import processed
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER
 from trl_vlm_fixes.selftest import v2_kernels
 
@@ -116,23 +119,6 @@ def torch_path(runner: str) -> Path_:
     return run
 
 
-def kernel_path(runner: str, accurate: bool | None, kernel: Any) -> Path_:
-    def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        return fused_logprob.log_probs(kernel, logits[None], ids, None, temperature, runner, accurate=accurate)[0]
-
-    return run
-
-
-def kernel_on_divided(kernel: Any, accurate: bool | None) -> Path_:
-    """The kernel at temperature 1 on V1's divided float32 logits: the sum and the epilogue without the division."""
-
-    def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        divided = v1_scaled(logits, temperature)
-        return fused_logprob.log_probs(kernel, divided[None], ids, None, 1.0, V1_RUNNER, accurate=accurate)[0]
-
-    return run
-
-
 def gaps(ours: torch.Tensor, theirs: torch.Tensor, width: int) -> dict[str, Any]:
     gap = (ours.double() - theirs.double()).view(-1, width)
     return {
@@ -159,7 +145,7 @@ def timed_ms(function: Callable[[], Any], device: torch.device) -> tuple[Any, fl
 
 
 def logits_record(
-    positions: int, width: int, vocabulary: int, temperature: float, device: torch.device, kernel: Any, v2: V2
+    positions: int, width: int, vocabulary: int, temperature: float, device: torch.device, v2: V2
 ) -> dict[str, Any]:
     """Section A: the same bf16 logits on both sides."""
     logits = trained_logits(positions, vocabulary, device, seed=0)
@@ -172,15 +158,9 @@ def logits_record(
         "v1": chunked(exact(v1_scaled))(logits, ids, temperature),
         "v2": chunked(exact(v2.scaled))(logits, ids, temperature),
     }
-    on_gpu = device.type == "cuda"
     trainers: dict[str, tuple[str, Path_]] = {
-        "torch path (V1)": ("v1", torch_path(V1_RUNNER)),
-        "torch path (V2)": ("v2", torch_path(V2_RUNNER)),
-        "kernel, libdevice (V1)": ("v1", kernel_path(V1_RUNNER, on_gpu, kernel)),
-        "kernel, libdevice (V2)": ("v2", kernel_path(V2_RUNNER, on_gpu, kernel)),
-        "kernel, Triton's exp (V1)": ("v1", kernel_path(V1_RUNNER, False, kernel)),
-        "kernel, Triton's exp (V2)": ("v2", kernel_path(V2_RUNNER, False, kernel)),
-        "kernel on V1's divided logits": ("v1", kernel_on_divided(kernel, on_gpu)),
+        "the fix (V1)": ("v1", torch_path(V1_RUNNER)),
+        "the fix (V2)": ("v2", torch_path(V2_RUNNER)),
     }
     record: dict[str, Any] = {
         "section": "same logits",
@@ -248,6 +228,11 @@ def fused_head_record(
         "v2": chunked(v2.log_probs)(logits, ids, temperature),
     }
     exact_v1 = chunked(exact(v1_scaled))(logits, ids, temperature)
+    layer = processed.OutputLayer(weight)
+    reprojected = {  # the fix on TRL 1.16: the hidden states projected again, the engine's own log-softmax
+        name: processed.Positions(hidden, layer).plain_log_probs(temperature, ids, runner)
+        for name, runner in (("v1", V1_RUNNER), ("v2", V2_RUNNER))
+    }
     return {
         "section": "TRL 1.16's fused head",
         "positions": positions,
@@ -259,6 +244,7 @@ def fused_head_record(
         "tile_logits_differing": differing,
         "tile_logits_compared": tile_rows * vocabulary,
         "fused_vs_engine": {name: gaps(fused, values, width) for name, values in engines.items()},
+        "reprojected_vs_engine": {name: gaps(reprojected[name], values, width) for name, values in engines.items()},
         "fused_vs_float64": gaps(fused, exact_v1, width),
         "engine_v1_vs_float64": gaps(engines["v1"], exact_v1, width),
         "projection_ms": projection_ms,
@@ -266,9 +252,7 @@ def fused_head_record(
     }
 
 
-def engine_function_record(
-    positions: int, vocabulary: int, device: torch.device, kernel: Any, v2: V2
-) -> dict[str, Any]:
+def engine_function_record(positions: int, vocabulary: int, device: torch.device, v2: V2) -> dict[str, Any]:
     """Section C, temperature 1: the engine's own log-softmax run on TRL's bf16 logits without a float32 copy, bit
     for bit against the same function on the float32 copy the engine makes (V1: torch's ``log_softmax(...,
     dtype=float32)``; V2: ``compute_token_logprobs``, which upcasts each element as it reads it), and the time of
@@ -294,10 +278,7 @@ def engine_function_record(
     def v2_direct(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         return v2.engine.logprobs(part, chosen[:, None])
 
-    def one_pass(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        return fused_logprob.log_probs(kernel, part[None], chosen, None, 1.0, V1_RUNNER)[0]
-
-    ways = {"v1 copy": v1_copy, "v1 upcast": v1_upcast, "v2 copy": v2_copy, "v2 direct": v2_direct, "kernel": one_pass}
+    ways = {"v1 copy": v1_copy, "v1 upcast": v1_upcast, "v2 copy": v2_copy, "v2 direct": v2_direct}
     values, times = {}, {}
     for name, path in ways.items():
         values[name], times[name] = timed_ms(over_chunks(path), device)
@@ -329,13 +310,6 @@ def main() -> None:
     vocabularies = [2048] if args.dry_run else [int(v) for v in args.vocabulary.split(",")]
     hidden_size = 64 if args.dry_run else args.hidden
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    if args.dry_run:
-        from trl_vlm_fixes.selftest.fused_kernel import InterpretedKernel
-
-        kernel: Any = InterpretedKernel()
-    else:
-        kernel = fused_logprob.kernel(torch.empty(1, device=device))
-        assert kernel is not None, "the one-pass kernel does not compile here"
     v2 = V2(device)
     function = load_trl116(args.trl116) if args.trl116 else None
     report: dict[str, Any] = {
@@ -345,10 +319,10 @@ def main() -> None:
     }
     for vocabulary in vocabularies:
         positions = 256 if args.dry_run else args.positions
-        report["results"].append(engine_function_record(positions, vocabulary, device, kernel, v2))
+        report["results"].append(engine_function_record(positions, vocabulary, device, v2))
         for temperature in temperatures:
             started = time.perf_counter()
-            report["results"].append(logits_record(rows * width, width, vocabulary, temperature, device, kernel, v2))
+            report["results"].append(logits_record(rows * width, width, vocabulary, temperature, device, v2))
             if function is not None:
                 report["results"].append(
                     fused_head_record(rows * width, width, vocabulary, hidden_size, temperature, device, v2, function)
@@ -377,6 +351,7 @@ def print_report(report: dict[str, Any]) -> None:
             pairs += [(f"{k} - float64", v) for k, v in record["trainer_vs_float64"].items()]
         else:
             pairs += [(f"TRL 1.16 head - engine {k}", v) for k, v in record["fused_vs_engine"].items()]
+            pairs += [(f"the fix, reprojected - engine {k}", v) for k, v in record["reprojected_vs_engine"].items()]
             pairs += [("TRL 1.16 head - float64", record["fused_vs_float64"])]
             pairs += [("engine v1 - float64 (projected)", record["engine_v1_vs_float64"])]
         for name, gap in pairs:

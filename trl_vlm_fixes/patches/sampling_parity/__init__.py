@@ -505,7 +505,7 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
             hidden, ids, _, _ = waiting.pop(0)
-            if scorer.nothing_to_cut:  # TRL's fused head gives float32 log-probs of the plain distribution
+            if scorer.nothing_to_cut and not scorer.reprojects(layer):  # TRL's own (V2's arithmetic within 1e-4)
                 pass_.scored.append(Scored.pending(hidden.new_full(ids.shape, math.nan, dtype=torch.float32).flatten()))
                 continue
             if layer is None:

@@ -1,6 +1,7 @@
-"""The engine's temperature and min-p steps, applied to the trainer's float32 logits with the arithmetic the engine
-ran: their last bits decide vLLM's approximate top-p cut and min-p's boundary token, so the trainer runs the engine's
-own kernels, not a division or a threshold of its own.
+"""The engine's temperature, min-p and log-softmax steps, applied to the trainer's float32 logits with the arithmetic
+the engine ran: their last bits decide vLLM's approximate top-p cut and min-p's boundary token, and the log-softmax's
+rounding adds up over a completion, so the trainer runs the engine's own functions and kernels, not a division, a
+threshold or a log-softmax of its own.
 
 vLLM's V1 sampler divides each row by its request's float32 temperature tensor (``Sampler.apply_temperature``: IEEE
 division on every device) and cuts min-p with its ``MinPLogitsProcessor`` (prob < min_p * max prob). The V2 model
@@ -12,6 +13,13 @@ token), and ``tl.log`` may be approximate too. So on CUDA, where the engine runs
 kernels; elsewhere V1's division (which is what V2's kernel computes in Triton's interpreter, bit for bit:
 ``tests/test_v2_runner.py``) and V2's min-p rule in torch's float32. Torch's ``tensor / python_float`` would be
 neither on CUDA: it multiplies by the reciprocal.
+
+The log-prob the engine reports: V1's ``Sampler.compute_logprobs`` (torch's ``log_softmax`` of its float32 logits),
+V2's ``compute_token_logprobs`` (a Triton kernel: block sums of Triton's ``exp``). On an H100 (docs/gpu-results.md
+section 17) they round differently by a one-signed 1-3e-7 nats per token on a trained spread (torch's float32 sum
+loses small terms beside the largest: 5.7e-4 of a 2,048-token completion's weight at 248,320 tokens; V2's sum is
+unbiased), and neither equals a third arithmetic (a one-pass kernel, TRL 1.16's online log-sum-exp) within 1e-4 of
+the weight at 2,048 tokens; the function itself on the same float32 values gives the same bits.
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ def v2_min_p_kernel() -> Kernel | None:
     return getattr(_v2_module("min_p"), "apply_min_p", None)
 
 
+def v2_log_prob_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """vLLM's V2 ``compute_token_logprobs`` (float32 logits [rows, vocabulary], ids [rows, k] -> [rows, k]), or None."""
+    return getattr(_v2_module("logprob"), "compute_token_logprobs", None)
+
+
 def uses_v2_kernel(runner: str, device: torch.device) -> bool:
     """The trainer runs V2's compiled kernels: the engine runs V2 and these logits are on a GPU that compiles them."""
     return runner == V2_RUNNER and device.type == "cuda" and v2_kernel() is not None
@@ -82,6 +95,17 @@ def apply_scalar(logits: torch.Tensor, temperature: float, runner: str) -> torch
         return logits
     temperatures = torch.full((logits.size(0),), temperature, dtype=torch.float32, device=logits.device)
     return apply(logits, temperatures, runner)
+
+
+def log_probs(logits: torch.Tensor, ids: torch.Tensor, runner: str) -> torch.Tensor:
+    """[rows] the float32 log-prob of each row's token ``ids`` [rows] under ``logits`` [rows, vocabulary] (float32,
+    after the engine's steps), with the engine's own log-softmax: V2's kernel on CUDA where the engine runs V2, else
+    V1's ``log_softmax`` (on the CPU, torch's is the arithmetic the engine stand-in and vLLM's CPU sampler report)."""
+    kernel = v2_log_prob_kernel() if uses_v2_kernel(runner, logits.device) else None
+    if kernel is not None:
+        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # Triton: current
+            return kernel(logits.contiguous(), ids.unsqueeze(1)).squeeze(1)
+    return torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
 
 
 def logit_min_p(logits: torch.Tensor, min_p: float, runner: str) -> torch.Tensor:

@@ -19,14 +19,17 @@ and the kept share is 1 minus the banned share, a subtraction; only a position w
 the mass (where that subtraction would lose float32's digits) gets its logits to sum the kept tokens directly (one
 ``nonzero`` per call of the model).
 
-Every log-prob this module gives is float32 arithmetic on the model's logits, as vLLM's are (it upcasts a bf16 model's
-logits to float32 before its temperature and log-softmax). TRL 1.9.1 divides a bf16 model's bf16 logits by the
-temperature in place and log-softmaxes them in bf16, so its log-prob carries bf16 rounding (spacing 0.03 around -5):
-wherever TRL's logits are read (``Positions.own_log_probs``: TRL 1.9.1, bf16 or float32, whose float32 branch
-subtracts a log-sum-exp), the plain distribution's log-prob is the fix's own, vLLM's float32 ``log_softmax`` of the
-logits at the sampling temperature (``Positions.plain_log_probs``), also where nothing is banned or cut. TRL 1.16's
-fused head computes its log-probs in float32 from the same bf16 logits: they are used as they are, and the plain
-distribution then costs nothing.
+Every log-prob this module gives is the engine's own arithmetic on the model's logits: a float32 copy, the engine's
+temperature step and its own log-softmax (``engine_steps.log_probs``: V1's ``log_softmax``, V2's Triton kernel),
+which give the engine's bits. TRL 1.9.1 divides a bf16 model's bf16 logits by the temperature in place and
+log-softmaxes them in bf16, so its log-prob carries bf16 rounding (spacing 0.03 around -5), and its float32 branch
+subtracts a log-sum-exp; TRL 1.16's fused head folds bf16 tiles of the same logits into an online log-sum-exp. Each
+rounds differently from the engine, one-signed over a completion (on an H100, up to 5.6e-4 of a 2,048-token
+completion's weight against V1, docs/gpu-results.md section 17). So the plain distribution's log-prob is the fix's
+own (``Scorer.own_plain``) wherever TRL's logits are read (TRL 1.9.1), and on TRL 1.16 where the engine runs V1 and
+the whole output layer is here: the hidden states are projected again, a chunk at a time. Where the engine runs V2,
+TRL 1.16's log-probs are used as they are (V2's block sums and TRL's online sum are both unbiased: within ~1e-4 of
+the weight at 2,048 tokens, 2e-8 nats per token on average), and the plain distribution costs nothing there.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any
 
 import torch
 
-from . import engine_steps, fused_logprob
-from .distribution import SamplingDistribution
+from . import engine_steps
+from .distribution import V2_RUNNER, SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
 CHUNK_ELEMENTS = 1 << 26
@@ -47,7 +50,9 @@ DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens ar
 
 
 class OutputLayer:
-    """The trainer's output projection, applied to chosen hidden states only (the scoring pass's own weights)."""
+    """The trainer's output projection, applied to chosen hidden states only (the scoring pass's own weights), in the
+    dtype the model's own projection runs in: autocast's where it is on, else the hidden states' (as TRL 1.16's fused
+    head computes its tiles, and a bf16 model's output layer its logits: bf16 products, the engine's)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
@@ -58,11 +63,30 @@ class OutputLayer:
         return int(self.weight.size(0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocabulary] float32 (the projection runs in the weight's dtype, as the model's own does)."""
-        logits = hidden.to(self.weight.dtype) @ self.weight.T
+        """[rows, vocabulary] float32."""
+        return self.of(hidden, None)
+
+    def of(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """[rows, k] float32: the logits of ``token_ids`` [k] (every token: None) at ``hidden`` [rows, hidden]."""
+        dtype = _compute_dtype(hidden)
+        weight = self.weight if token_ids is None else self.weight[token_ids]
+        logits = hidden.to(dtype) @ weight.to(dtype).T
         if self.bias is not None:
-            logits = logits + self.bias
+            logits = logits + (self.bias if token_ids is None else self.bias[token_ids]).to(dtype)
         return logits.to(torch.float32)
+
+    def each(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[rows] float32: row i's logit of token ``ids[i]``, a product of the same dtype (one dot product a row)."""
+        dtype = _compute_dtype(hidden)
+        logits = (hidden.to(dtype).unsqueeze(1) @ self.weight[ids].to(dtype).unsqueeze(2)).reshape(-1)
+        if self.bias is not None:
+            logits = logits + self.bias[ids].to(dtype)
+        return logits.to(torch.float32)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 class Positions:
@@ -94,33 +118,34 @@ class Positions:
         (TRL 1.9.1 on a bf16 model). TRL 1.16's fused head (no logits read here) works in float32."""
         return self.raw is not None and self.raw.dtype not in (torch.float32, torch.float64)
 
-    @property
-    def own_log_probs(self) -> bool:
-        """The plain distribution's log-prob is the fix's, vLLM's arithmetic, wherever TRL's logits are here (TRL
-        1.9.1): TRL's log-softmax of bf16 logits is rounded to bf16, and of float32 ones is a subtracted log-sum-exp,
-        off by ~3e-7 nats per token, one-signed (6e-4 of the weight at 2,048 tokens). TRL 1.16's fused head keeps no
-        logits: its float32 log-probs are used as they are (the same kind of residual), since a second projection
-        through the output layer would cost about a quarter of a 2B model's scoring pass."""
-        return self.raw is not None
-
     def plain_log_probs(self, temperature: float, ids: torch.Tensor, runner: str) -> torch.Tensor:
         """[rows] each row's float32 log-prob of its token ``ids`` under the plain distribution at ``temperature``,
-        with vLLM's own arithmetic (float32 logits, the ``runner``'s temperature step, ``log_softmax``: a log-sum-exp
-        subtracted instead is off by a few 1e-7 per token, one-signed, 1e-3 of the weight at 2,048 tokens). Two
-        float32 tensors of a chunk at a time (``CHUNK_ELEMENTS`` together)."""
-        assert self.raw is not None, "only TRL's own logits are read here"
+        with the engine's own arithmetic (float32 logits, the ``runner``'s temperature step and log-softmax), from
+        TRL's logits (up to each row's length; NaN after it, where TRL's own log-prob stays and the loss masks it
+        away) or, without them, from the hidden states projected through the output layer. Two float32 tensors of a
+        chunk at a time (``CHUNK_ELEMENTS`` together)."""
+        if self.raw is None:
+            parts = [self._plain(self.rows(chunk), ids[chunk], temperature, runner) for chunk in self._plain_chunks()]
+            return torch.cat(parts)
         width = self.raw.size(1)
         parts = []
         for row in range(self.raw.size(0)):
             length = width if self.lengths is None else self.lengths[row]
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 logits = self.raw[row, chunk].to(torch.float32, copy=True)
-                logits = engine_steps.apply_scalar(logits, temperature, runner)
-                chosen = ids[row * width + chunk.start : row * width + chunk.stop, None]
-                parts.append(torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1))
-            if length < width:  # after the completion ended: NaN, TRL's own log-prob (the loss masks it away)
+                chosen = ids[row * width + chunk.start : row * width + chunk.stop]
+                parts.append(self._plain(logits, chosen, temperature, runner))
+            if length < width:
                 parts.append(torch.full((width - length,), math.nan, device=ids.device))
         return torch.cat(parts)
+
+    def _plain_chunks(self) -> list[slice]:
+        return _chunks(len(self), 2 * self.vocabulary)
+
+    @staticmethod
+    def _plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
+        """The engine's temperature step and log-softmax on a float32 chunk it may overwrite."""
+        return engine_steps.log_probs(engine_steps.apply_scalar(logits, temperature, runner), ids, runner)
 
     def scored(self, device: torch.device) -> torch.Tensor:
         """[rows] True at the positions up to each completion's end (``lengths``; all of them without)."""
@@ -159,9 +184,7 @@ class Positions:
         """[rows, k] float32: the logits of ``token_ids`` [k] at the rows ``index`` (never a row in full)."""
         if self.raw is not None:
             return self.raw.index_select(2, token_ids).reshape(-1, token_ids.numel())[index].to(torch.float32)
-        layer = self._layer()
-        logits = self.hidden[index].to(torch.float32) @ layer.weight[token_ids].to(torch.float32).T
-        return logits if layer.bias is None else logits + layer.bias[token_ids].to(torch.float32)
+        return self._layer().of(self.hidden[index], token_ids)
 
     def sampled(self, index: slice, ids: torch.Tensor) -> torch.Tensor:
         """[rows] float32: each row's logit of its own token; ``ids`` are those of the rows ``index``."""
@@ -170,9 +193,7 @@ class Positions:
                 return self._one_row()[index].gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32)
             assert ids.numel() == len(self), "several rows of TRL's logits are read whole"
             return self.raw.gather(2, ids.reshape(*self.raw.shape[:2], 1)).reshape(-1).to(torch.float32)
-        layer = self._layer()
-        logits = (self.hidden[index].to(torch.float32) * layer.weight[ids].to(torch.float32)).sum(dim=-1)
-        return logits if layer.bias is None else logits + layer.bias[ids].to(torch.float32)
+        return self._layer().each(self.hidden[index], ids)
 
 
 @dataclass
@@ -302,7 +323,7 @@ class VllmSteps:
         restored = torch.where(before_cut == -math.inf, raw_sampled, before_cut)
         logits.scatter_(1, ids, torch.where(after == -math.inf, restored, after))
         sampled = logits.gather(1, ids).squeeze(1)
-        processed = torch.log_softmax(logits, dim=-1).gather(1, ids).squeeze(1)  # vLLM's arithmetic (plain_log_probs)
+        processed = engine_steps.log_probs(logits, ids.squeeze(1), distribution.runner)  # the engine's log-softmax
         kept_lse = sampled - processed
         if self.bias_ids.numel():  # the kept share is of the distribution without biases: take them off the kept
             biased = logits.index_select(1, self.bias_ids) - kept_lse[:, None]
@@ -356,6 +377,18 @@ class Scorer:
         plain = not (distribution.truncates or distribution.biases or distribution.allowed is not None)
         return plain and self.same_temperature
 
+    def own_plain(self, positions: Positions) -> bool:
+        """The plain distribution's log-prob is the fix's, the engine's arithmetic: wherever TRL's logits are read
+        (TRL 1.9.1: its bf16 or float32 log-softmax is not the engine's), and on TRL 1.16's fused head where the
+        engine runs V1 (torch's float32 sum, which TRL's online log-sum-exp does not reproduce: a one-signed 1-3e-7
+        nats per token on an H100) and the whole output layer is here to project the hidden states again."""
+        return positions.raw is not None or self.reprojects(positions.layer)
+
+    def reprojects(self, layer: OutputLayer | None) -> bool:
+        """Without TRL's logits (its fused head), the plain log-prob needs the hidden states projected again: where
+        the engine runs V1 and the whole output layer is here."""
+        return layer is not None and self.distribution.runner != V2_RUNNER
+
     def steps(self, rows: int, vocabulary: int, device: torch.device) -> VllmSteps:
         key = (rows, vocabulary, device)
         if key not in self._steps:
@@ -369,12 +402,8 @@ class Scorer:
         if len(positions) == 0:  # a completion that ended before its first scored position
             return Scored.pending(torch.full((0,), math.nan, device=ids.device))
         if self.ban_alone:
-            if not self.distribution.banned and not positions.own_log_probs:  # TRL 1.16's fused head: its own
+            if not self.distribution.banned and not self.own_plain(positions):  # TRL 1.16 on V2: TRL's own
                 return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device))
-            if positions.raw is not None and (kernel := fused_logprob.kernel(positions.raw)) is not None:
-                fused = self._fused_checked(kernel, positions, ids)
-                if fused is not None:
-                    return fused
             # per position: the banned logits, and three float32 rows of the hidden size (``Positions.sampled``)
             width = len(self.distribution.banned) + 3 * positions.hidden.size(-1)
             whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
@@ -387,41 +416,6 @@ class Scorer:
             parts.append(steps.processed(logits, ids[index], own_normaliser))
         return Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
 
-    def _fused_checked(self, kernel: Any, positions: Positions, ids: torch.Tensor) -> Scored | None:
-        """The kernel's ``Scored``, or None where the torch path must run: the kernel failed, or (on its first call in
-        the process) disagreed with the torch path on the same positions (``fused_logprob.verdict``)."""
-        if fused_logprob.verdict.trusted is False:
-            return None
-        try:
-            fused = self._fused(kernel, positions, ids)
-        except Exception as error:  # noqa: BLE001 - a kernel that cannot build or run leaves the torch path
-            fused_logprob.verdict.refuse(f"the kernel failed: {error!r}")
-            return None
-        if fused_logprob.verdict.trusted is None:
-            reference = self._ban(positions, ids, [slice(0, len(positions))])
-            trl = torch.zeros_like(fused.plain)
-            fused_logprob.verdict.judge(fused.finish(trl), reference.finish(trl), positions.scored(trl.device))
-            if not fused_logprob.verdict.trusted:
-                return reference
-        return fused
-
-    def _fused(self, kernel: Any, positions: Positions, ids: torch.Tensor) -> Scored:
-        """The ban alone (or nothing) at TRL's temperature, on TRL's logits on a GPU: one program per position reads
-        its logits (``fused_logprob``): the plain and the kept log-prob and the kept share, exact, in float32."""
-        assert positions.raw is not None
-        distribution = self.distribution
-        plain, kept, log_kept = fused_logprob.log_probs(
-            kernel,
-            positions.raw,
-            ids,
-            positions.lengths,
-            distribution.temperature,
-            distribution.runner,
-            distribution.banned,
-        )
-        nan = torch.full_like(plain, math.nan)
-        return Scored(kept, log_kept, nan, torch.full_like(plain, -math.inf), plain, nan)
-
     def _ban(self, positions: Positions, ids: torch.Tensor, chunks: list[slice]) -> Scored:
         """The ban alone (or nothing) at TRL's temperature, from gathers: the sampled token's logit and the banned
         tokens' (no [positions x vocabulary] tensor, so thousands of positions per chunk); the float32 normaliser
@@ -430,7 +424,7 @@ class Scorer:
         distribution = self.distribution
         temperature = distribution.temperature
         sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
-        plain = positions.plain_log_probs(temperature, ids, distribution.runner) if positions.own_log_probs else None
+        plain = positions.plain_log_probs(temperature, ids, distribution.runner) if self.own_plain(positions) else None
         if not distribution.banned:
             return Scored.pending(sampled, plain)
         nan = torch.full_like(sampled, math.nan)
