@@ -48,7 +48,7 @@ Path_ = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def trained_logits(positions: int, vocabulary: int, device: torch.device, seed: int) -> torch.Tensor:
-    """bf16 logits of std 4.5 (~2.5 nats of entropy at these vocabularies: a trained model's spread)."""
+    """bf16 logits of std 4.5 (4.1-4.4 nats of entropy at 151,936-248,320 tokens: a peaked spread)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     return (torch.randn(positions, vocabulary, generator=generator, device=device) * 4.5).to(torch.bfloat16)
 
