@@ -3,6 +3,7 @@ identical weights on both sides: collapsed by the ban and truncation upstream, 1
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -15,7 +16,12 @@ from helpers import StandInServer
 
 import trl_vlm_fixes
 from trl_vlm_fixes.patches.sampling_parity import engine_sampler, processed
-from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution, read_distribution
+from trl_vlm_fixes.patches.sampling_parity.distribution import (
+    V1_RUNNER,
+    V2_RUNNER,
+    SamplingDistribution,
+    read_distribution,
+)
 from trl_vlm_fixes.selftest.engine_standin import StandInLLM
 
 IS_MEAN = "sampling/importance_sampling_ratio/mean"
@@ -294,21 +300,27 @@ def dominant_ban_case(vocabulary: int, dominant: slice) -> tuple[torch.Tensor, A
 BANS = {"logit_bias": {7: -math.inf, 11: -math.inf}}
 
 
-def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ban alone: gathers and TRL's own normaliser; full logits only for the positions whose banned share may be
-    most of the mass (the subtraction would lose float32's digits there), and then exact."""
+@pytest.mark.parametrize("runner", [V2_RUNNER, V1_RUNNER])
+def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch, runner: str) -> None:
+    """The ban alone on TRL 1.16's fused head (hidden states, no logits): gathers and TRL's own normaliser where the
+    engine runs V2, full logits only for the positions whose banned share may be most of the mass (the subtraction
+    would lose float32's digits there), and then exact. Where it runs V1 every position is projected once more, for
+    the plain log-prob with V1's own log-softmax (TRL's online sum is not V1's), and the dominant ones again."""
     states, layer, logits, ids, vllm_logprobs = dominant_ban_case(5000, slice(0, 8))  # the first positions
     projected: list[int] = []
     full = layer.logits
     monkeypatch.setattr(layer, "logits", lambda hidden: projected.append(hidden.size(0)) or full(hidden))
     distribution = read_distribution(BANS, None)
     assert isinstance(distribution, SamplingDistribution)
+    distribution = dataclasses.replace(distribution, runner=runner)
     trl_logps = trl_log_probs(logits, ids)
     positions = processed.Positions(states, layer)
     shift, log_kept = processed.score(positions, ids, distribution, 1.0).finish(trl_logps)
     assert torch.allclose(trl_logps + shift, vllm_logprobs, atol=1e-5, rtol=0)
     banned_share = torch.softmax(logits.double(), -1)[:, [7, 11]].sum(-1)
-    assert 0 < sum(projected) < 64 and sum(projected) >= int((banned_share > 0.5).sum())
+    dominant = int((banned_share > 0.5).sum())
+    plain = len(ids) if runner == V1_RUNNER else 0  # every position once for V1's own log-softmax
+    assert 0 < sum(projected) - plain < 64 and sum(projected) - plain >= dominant
     exact = torch.log1p(-banned_share).float()  # in float64: at a share of 0.99999 float32 has no digits left
     assert torch.allclose(log_kept, exact, atol=1e-4, rtol=1e-5)
 
@@ -646,7 +658,6 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
     if reason := no_interpreted_kernel():
         pytest.skip(f"vLLM's kernel path is proven on vLLM 0.25.1's and 0.31.0's kernel files, on the CPU: {reason}")
     from trl_vlm_fixes.patches.sampling_parity import kernel_copy
-
     from trl_vlm_fixes.selftest.fixtures import text_dataset
 
     batch = {"per_device_train_batch_size": 8, "num_generations": 2, "dataset": text_dataset()}  # 8 requests
