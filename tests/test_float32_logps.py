@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trl_vlm_fixes.patches.sampling_parity import processed
-from trl_vlm_fixes.patches.sampling_parity.distribution import V2_RUNNER, SamplingDistribution, read_distribution
+from trl_vlm_fixes.patches.sampling_parity.distribution import SamplingDistribution, read_distribution
 
 VOCABULARY = 4096
 SCALE = 4.5  # logits of std 4.5 over 4,096 tokens: ~2.5 nats of entropy, a trained model's spread
@@ -119,23 +119,25 @@ def test_trls_float32_log_softmax_is_replaced_by_vllms_arithmetic_too() -> None:
     assert torch.all(log_kept == 0)
 
 
-def test_a_fused_heads_float32_log_probs_are_used_as_they_are_where_the_engine_runs_v2(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """TRL 1.16's fused head keeps no logits and gives float32 log-probs; against V2's log-softmax (unbiased block sums,
-    as TRL's online sum) they are within ~1e-4 of the weight at 2,048 tokens on an H100: nothing cut costs nothing
-    there (no pass over the vocabulary, no projection), TRL's log-prob unchanged."""
-    hidden = torch.randn(32, 8)
+def test_the_projection_runs_in_the_dtype_of_the_models_own_and_casts_the_weight_once() -> None:
+    """TRL 1.16's fused head multiplies in autocast's dtype where it is on, else the hidden states' (a bf16 model:
+    bf16 products, the engine's), and in float32 under ``cast_lm_head_to_fp32``; the fix's projection takes the dtype
+    read in the forward, and casts a float32 master weight once per layer, not per chunk."""
+    hidden = torch.randn(6, 8)
+    assert processed.product_dtype(hidden) == torch.float32
+    assert processed.product_dtype(hidden.to(torch.bfloat16)) == torch.bfloat16
+    assert processed.product_dtype(hidden.to(torch.bfloat16), float32_head=True) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert processed.product_dtype(hidden) == torch.bfloat16
     layer = processed.OutputLayer(torch.randn(64, 8))
-    trl = torch.log_softmax(layer.logits(hidden), -1)[:, 0]
-    monkeypatch.setattr(processed.Positions, "plain_log_probs", lambda *a: pytest.fail("a pass over the vocabulary"))
-    monkeypatch.setattr(processed.OutputLayer, "logits", lambda *a: pytest.fail("a projection"))
-    positions = processed.Positions(hidden, layer)
-    distribution = SamplingDistribution(temperature=1.0, runner=V2_RUNNER)
-    assert not processed.Scorer(distribution, 1.0).own_plain(positions)
-    ids = torch.zeros(32, dtype=torch.long)
-    shift, log_kept = processed.score(positions, ids, distribution, 1.0).finish(trl)
-    assert torch.all(shift == 0) and torch.all(log_kept == 0)
+    bf16 = processed.Positions(hidden, layer, dtype=torch.bfloat16)
+    ids = torch.arange(6)
+    expected = (hidden.to(torch.bfloat16) @ layer.weight.to(torch.bfloat16).T).float()
+    assert torch.equal(bf16.rows(slice(0, 6)), expected)  # bf16 products, as the fused head's tiles
+    assert torch.equal(bf16.sampled(slice(0, 6), ids), expected.gather(1, ids[:, None]).squeeze(1))
+    assert torch.equal(bf16.columns(slice(0, 6), ids[:2]), expected[:, :2])
+    assert list(layer._cast) == [torch.bfloat16]  # one cast of the weight for every read above
+    assert torch.equal(processed.Positions(hidden, layer).rows(slice(0, 6)), hidden @ layer.weight.T)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["temperature 1", "temperature 0.7"])
@@ -260,6 +262,15 @@ def test_grpo_with_a_bf16_models_logits_weighs_one_with_the_fix(
 
     monkeypatch.setattr(vllm_generation, "LLM", StandInLLM, raising=False)
     processor = AutoProcessor.from_pretrained(peaked_model_dir)
+    projected: list[int] = []  # positions whose plain log-prob came from hidden states projected again (TRL 1.16)
+    plain = processed.Positions.plain_log_probs
+
+    def counting(self: Any, *args: Any) -> torch.Tensor:
+        if self.raw is None:
+            projected.append(len(self))
+        return plain(self, *args)
+
+    monkeypatch.setattr(processed.Positions, "plain_log_probs", counting)
 
     def train(out: str) -> dict[str, float]:
         trainer = build_trainer(
@@ -278,6 +289,8 @@ def test_grpo_with_a_bf16_models_logits_weighs_one_with_the_fix(
         return next(log for log in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in log)
 
     fixed = train("on")
+    # TRL 1.16's fused head gives no logits: the fix projected the hidden states again (TRL 1.9.1: read its logits)
+    assert bool(projected) != trls_scoring_pass_makes_logits(), projected
     one_fix_off("sampling_parity")
     upstream = train("off")
     for log in (fixed, upstream):

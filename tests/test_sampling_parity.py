@@ -302,14 +302,16 @@ BANS = {"logit_bias": {7: -math.inf, 11: -math.inf}}
 
 @pytest.mark.parametrize("runner", [V2_RUNNER, V1_RUNNER])
 def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pytest.MonkeyPatch, runner: str) -> None:
-    """The ban alone on TRL 1.16's fused head (hidden states, no logits): gathers and TRL's own normaliser where the
-    engine runs V2, full logits only for the positions whose banned share may be most of the mass (the subtraction
-    would lose float32's digits there), and then exact. Where it runs V1 every position is projected once more, for
-    the plain log-prob with V1's own log-softmax (TRL's online sum is not V1's), and the dominant ones again."""
+    """The ban alone on TRL 1.16's fused head (hidden states, no logits): every position projected once, for the plain
+    log-prob with the engine's own log-softmax (TRL's online sum is neither runner's), then gathers, and full logits
+    again only for the positions whose banned share may be most of the mass (the subtraction would lose float32's
+    digits there), and then exact; on either runner."""
     states, layer, logits, ids, vllm_logprobs = dominant_ban_case(5000, slice(0, 8))  # the first positions
     projected: list[int] = []
     full = layer.logits
-    monkeypatch.setattr(layer, "logits", lambda hidden: projected.append(hidden.size(0)) or full(hidden))
+    monkeypatch.setattr(
+        layer, "logits", lambda hidden, dtype=None: projected.append(hidden.size(0)) or full(hidden, dtype)
+    )
     distribution = read_distribution(BANS, None)
     assert isinstance(distribution, SamplingDistribution)
     distribution = dataclasses.replace(distribution, runner=runner)
@@ -319,7 +321,7 @@ def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pyt
     assert torch.allclose(trl_logps + shift, vllm_logprobs, atol=1e-5, rtol=0)
     banned_share = torch.softmax(logits.double(), -1)[:, [7, 11]].sum(-1)
     dominant = int((banned_share > 0.5).sum())
-    plain = len(ids) if runner == V1_RUNNER else 0  # every position once for V1's own log-softmax
+    plain = len(ids)  # every position once, for the engine's own log-softmax
     assert 0 < sum(projected) - plain < 64 and sum(projected) - plain >= dominant
     exact = torch.log1p(-banned_share).float()  # in float64: at a share of 0.99999 float32 has no digits left
     assert torch.allclose(log_kept, exact, atol=1e-4, rtol=1e-5)
@@ -621,12 +623,16 @@ def bf16_grid_logits(monkeypatch: pytest.MonkeyPatch) -> None:
         head.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16).to(output.dtype))
 
     monkeypatch.setattr(model_class, "post_init", rounding_post_init)
-    projection = processed.OutputLayer.logits  # TRL 1.16's fused head: the fix projects the hidden states itself
+    projection, each = processed.OutputLayer.of, processed.OutputLayer.each  # TRL 1.16's fused head: projected
 
-    def rounding_logits(self: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return projection(self, hidden).to(torch.bfloat16).to(torch.float32)
+    def rounding_of(self: Any, hidden: torch.Tensor, token_ids: Any, dtype: Any = None) -> torch.Tensor:
+        return projection(self, hidden, token_ids, dtype).to(torch.bfloat16).to(torch.float32)
 
-    monkeypatch.setattr(processed.OutputLayer, "logits", rounding_logits)
+    def rounding_each(self: Any, hidden: torch.Tensor, ids: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+        return each(self, hidden, ids, dtype).to(torch.bfloat16).to(torch.float32)
+
+    monkeypatch.setattr(processed.OutputLayer, "of", rounding_of)
+    monkeypatch.setattr(processed.OutputLayer, "each", rounding_each)
 
 
 # One setting per part of the kernel's rule on bf16-grid logits: top_k alone, where ties at the cut decide (exactly k

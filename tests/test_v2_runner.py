@@ -170,15 +170,16 @@ def test_the_colocated_engines_runner_is_read(caplog: pytest.LogCaptureFixture) 
         assert sampling_parity._asked_for(generation("colocate", True, 0.05)).runner == V2_RUNNER
         assert [r.levelno for r in caplog.records] == [logging.INFO] and "V2" in caplog.records[0].getMessage()
         caplog.clear()
-        assert sampling_parity._asked_for(generation("server", True, 0.0, temperature=0.7)).runner == V1_RUNNER
-        assert not caplog.records  # no cut moves: nothing to warn of
-        if _installed_vllm_before_0_29():  # a hybrid model: V1 on such a server, nothing to warn of either
+        if _installed_vllm_before_0_29():  # a hybrid model: V1 on such a server, nothing to warn of
             qwen35 = SimpleNamespace(config=_config({"text_config": {"layer_types": ["linear_attention"]}}))
             assert sampling_parity._asked_for(generation("server", True, 0.05, model=qwen35)).runner == V1_RUNNER
             assert not caplog.records
+        # a server that may run V2: even with nothing cut its log-softmax rounds otherwise than V1's, said once
+        assert sampling_parity._asked_for(generation("server", True, 0.0, temperature=0.7)).runner == V1_RUNNER
         assert sampling_parity._asked_for(generation("server", True, 0.05)).runner == V1_RUNNER
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.records[0].getMessage()
+    assert "log-softmax" in caplog.records[0].getMessage()
 
 
 def _installed_vllm_before_0_29() -> bool:

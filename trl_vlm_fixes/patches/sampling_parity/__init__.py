@@ -137,12 +137,6 @@ def _runner_matters(distribution: SamplingDistribution) -> bool:
     return distribution.min_p > 0.0 or distribution.temperature != 1.0
 
 
-def _server_moves_a_cut(distribution: SamplingDistribution) -> bool:
-    """What a V2 server computes otherwise moves a cut, not only a last bit: min-p's boundary token, or the
-    approximate top-p cut after its temperature kernel (a top-k set does not move with a monotone scaling)."""
-    return distribution.min_p > 0.0 or (distribution.temperature != 1.0 and distribution.top_p < 1.0)
-
-
 def _server_runs_v1(generation: Any) -> bool:
     """The server's vLLM (taken to be this environment's) builds V1 for this model: before 0.29 it builds V2 only for
     models neither hybrid nor MoE (Qwen3.5 and every MoE family keep V1), unless ``VLLM_USE_V2_MODEL_RUNNER`` is
@@ -171,11 +165,12 @@ def _engine_runner(generation: Any, distribution: SamplingDistribution) -> str:
     """The runner of the engine that samples this rollout. vLLM's V2 model runner (0.25.1's default for models
     neither hybrid nor MoE: Qwen3-VL, Qwen2.5-VL; 0.29+'s for every family) cuts min-p at logit < max + log(min_p),
     V1 at prob < min_p * max prob, and divides by the temperature in a Triton kernel (approximate division on CUDA:
-    ``engine_steps.py``); its log-softmax kernel computes what V1's does within float32's last bits, its bias and
-    bad-words kernels set -inf or add in float32 as V1's do (``tests/test_v2_runner.py`` runs them in Triton's
-    interpreter, ``benchmarks/gpu/v2_sampler_kernels.py`` compiled). The colocated engine's runner is read from its
-    config; a server's cannot be read from the trainer: V1's steps are kept, and one WARNING says so where a V2 server
-    would move a cut (not for a model that vLLM before 0.29 serves with V1)."""
+    ``engine_steps.py``); its log-softmax kernel rounds otherwise than V1's ``log_softmax`` (one-signed on peaked
+    logits: up to 5.7e-4 of a 2,048-token weight on an H100), its bias and bad-words kernels set -inf or add in
+    float32 as V1's do (``tests/test_v2_runner.py`` runs them in Triton's interpreter,
+    ``benchmarks/gpu/v2_sampler_kernels.py`` and ``logprob_arithmetic.py`` compiled). The colocated engine's runner is
+    read from its config; a server's cannot be read from the trainer: V1's steps are kept, and one WARNING says so
+    where the server may run V2 (not for a model that vLLM before 0.29 serves with V1)."""
     if getattr(generation, "mode", None) == "colocate":
         config = getattr(getattr(getattr(generation, "llm", None), "llm_engine", None), "vllm_config", None)
         if getattr(config, "use_v2_model_runner", False) is True:
@@ -190,14 +185,15 @@ def _engine_runner(generation: Any, distribution: SamplingDistribution) -> str:
             )
             return V2_RUNNER
         return V1_RUNNER
-    if not _server_moves_a_cut(distribution) or _server_runs_v1(generation):
+    if _server_runs_v1(generation):
         return V1_RUNNER
     warn_once(
         ("sampling_parity", "server runner"),
         f"{distribution.describe()} and TRL's server engine's model runner cannot be read from the trainer: the "
-        "trainer applies vLLM's V1 sampler's steps; vLLM's V2 runner (0.25.1's default for models neither hybrid nor "
-        "MoE, every model's from 0.29) cuts min-p at logit < max + log(min_p) and divides by the temperature in a "
-        "kernel of its own, which moves the min-p boundary token and the approximate top-p cut. Start the server "
+        "trainer applies vLLM's V1 sampler's steps and log-softmax; vLLM's V2 runner (0.25.1's default for models "
+        "neither hybrid nor MoE, every model's from 0.29) rounds its log-softmax otherwise (up to 6e-4 of a "
+        "2,048-token completion's weight), cuts min-p at logit < max + log(min_p) and divides by the temperature in "
+        "a kernel of its own, which moves the min-p boundary token and the approximate top-p cut. Start the server "
         "with VLLM_USE_V2_MODEL_RUNNER=0 to make the ratio exact there.",
         logger=LOGGER,
     )
@@ -402,7 +398,8 @@ def _processed(
     # every distribution, the plain one too: where TRL's log-prob carries bf16 rounding, the fix's is float32
     keep = int(bound.arguments.get("logits_to_keep") or 0)
     scorer = Scorer(distribution, float(getattr(instance, "temperature", 1.0)))
-    with _scored_positions(*parts, keep, scorer) as pass_:
+    float32_head = bool(getattr(getattr(instance, "args", None), "cast_lm_head_to_fp32", False))
+    with _scored_positions(*parts, keep, scorer, float32_head) as pass_:
         result = wrapped(*args, **kwargs)
     reason = pass_.problem or (
         "the scoring pass did not give one hidden state per scored token"
@@ -461,19 +458,22 @@ class _Pass:
 
 
 @contextmanager
-def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: int, scorer: Any) -> Iterator[_Pass]:
+def _scored_positions(
+    inner: Any, backbone: Any, head: Any, layer: Any, keep: int, scorer: Any, float32_head: bool = False
+) -> Iterator[_Pass]:
     """While TRL's pass runs, each of its model calls (one per TRL chunk) also scores its last ``keep`` tokens: the
     backbone's forward hook takes the hidden states that predict them; where the output layer then runs (TRL 1.9.1),
     its hook scores them from its logits before TRL divides those in place, else (TRL 1.16's fused head) the model's
-    own forward hook scores them from the hidden states as the call returns, so no call's hidden states outlive it.
-    TRL's tensors are only read."""
+    own forward hook scores them from the hidden states as the call returns, so no call's hidden states outlive it;
+    they are projected in the dtype the fused head's tiles had, read in the backbone's hook, inside the forward and its
+    autocast (``float32_head``: TRL's ``cast_lm_head_to_fp32``). TRL's tensors are only read."""
     import torch
 
-    from .processed import Positions, Scored
+    from .processed import Positions, Scored, product_dtype
 
     pass_ = _Pass()
-    # (hidden states, sampled ids, kept, attention mask of the scored positions) of the call in progress
-    waiting: list[tuple[Any, Any, int, Any]] = []
+    # (hidden states, sampled ids, kept, attention mask of the scored positions, projection dtype) of the call
+    waiting: list[tuple[Any, Any, int, Any, Any]] = []
 
     def on_backbone(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -484,12 +484,13 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
         mask = kwargs.get("attention_mask")
         scored_mask = mask[:, -kept:] if mask is not None and mask.dim() == 2 else None
         # position j predicts j + 1
-        waiting.append((hidden[:, -(kept + 1) : -1, :], input_ids[:, -kept:], kept, scored_mask))
+        scored = hidden[:, -(kept + 1) : -1, :]
+        waiting.append((scored, input_ids[:, -kept:], kept, scored_mask, product_dtype(scored, float32_head)))
 
     @torch.no_grad()  # a loss pass's logits carry gradients: the fix's arithmetic stays out of the graph
     def on_head(module: Any, args: Any, output: Any) -> None:
         if waiting and output.dim() == 3 and output.size(1) > waiting[-1][2]:
-            hidden, ids, kept, mask = waiting.pop()
+            hidden, ids, kept, mask, _ = waiting.pop()
             logits = output[:, -(kept + 1) : -1, :]
             lengths = _completion_lengths(mask, output.size(0), kept)
             if scorer.ban_alone:  # gathers from the whole call's logits at once; the rows' log-softmax up to their end
@@ -504,14 +505,15 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     @torch.no_grad()
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
-            hidden, ids, _, _ = waiting.pop(0)
-            if scorer.nothing_to_cut and not scorer.reprojects(layer):  # TRL's own (V2's arithmetic within 1e-4)
+            hidden, ids, _, _, dtype = waiting.pop(0)
+            if layer is None and scorer.nothing_to_cut:  # TRL's own float32 log-probs: said once
+                _sharded_fused_head_once()
                 pass_.scored.append(Scored.pending(hidden.new_full(ids.shape, math.nan, dtype=torch.float32).flatten()))
                 continue
             if layer is None:
                 pass_.problem = f"{_SHARDED} and TRL's fused output layer gives no logits to read"
                 continue
-            pass_.scored.append(scorer.score(Positions(hidden, layer), ids))
+            pass_.scored.append(scorer.score(Positions(hidden, layer, dtype=dtype), ids))
 
     handles = [backbone.register_forward_hook(on_backbone, with_kwargs=True)]
     handles.append(head.register_forward_hook(on_head))
@@ -522,6 +524,17 @@ def _scored_positions(inner: Any, backbone: Any, head: Any, layer: Any, keep: in
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _sharded_fused_head_once() -> None:
+    warn_once(
+        ("sampling_parity", "sharded fused head"),
+        f"{_SHARDED} and TRL's fused output layer gives no logits: the plain distribution's log-prob is TRL's own "
+        "float32 one (its online log-sum-exp, not the engine's log-softmax: up to 5.6e-4 of a 2,048-token "
+        "completion's IS weight against vLLM's V1 on an H100, docs/gpu-results.md section 17)",
+        logger=LOGGER,
+        level=logging.INFO,
+    )
 
 
 def _completion_lengths(mask: Any, rows: int, kept: int) -> list[int]:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from . import engine_steps
-from .distribution import V2_RUNNER, SamplingDistribution
+from .distribution import SamplingDistribution
 
 # logits per chunk (256 MiB in float32; 270 positions at Qwen3.5's 248,320 tokens).
 CHUNK_ELEMENTS = 1 << 26
@@ -51,40 +51,51 @@ DOMINANT_SHARE = 0.5  # above this bound on the banned share, the kept tokens ar
 
 class OutputLayer:
     """The trainer's output projection, applied to chosen hidden states only (the scoring pass's own weights), in the
-    dtype the model's own projection runs in: autocast's where it is on, else the hidden states' (as TRL 1.16's fused
-    head computes its tiles, and a bf16 model's output layer its logits: bf16 products, the engine's)."""
+    dtype the model's own projection runs in (``product_dtype``: TRL 1.16's fused head's tiles and a bf16 model's
+    logits are bf16 products, the engine's; ``product_dtype`` decides it, read where the model's forward runs). The
+    weight is cast to that dtype once per layer (one scoring pass), not per chunk."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     @property
     def vocabulary(self) -> int:
         return int(self.weight.size(0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if dtype not in self._cast:
+            bias = None if self.bias is None else self.bias.to(dtype)
+            self._cast[dtype] = (self.weight.to(dtype), bias)
+        return self._cast[dtype]
+
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[rows, vocabulary] float32."""
-        return self.of(hidden, None)
+        return self.of(hidden, None, dtype)
 
-    def of(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    def of(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor | None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """[rows, k] float32: the logits of ``token_ids`` [k] (every token: None) at ``hidden`` [rows, hidden]."""
-        dtype = _compute_dtype(hidden)
-        weight = self.weight if token_ids is None else self.weight[token_ids]
-        logits = hidden.to(dtype) @ weight.to(dtype).T
-        if self.bias is not None:
-            logits = logits + (self.bias if token_ids is None else self.bias[token_ids]).to(dtype)
-        return logits.to(torch.float32)
+        weight, bias = self._in(dtype or product_dtype(hidden))
+        if token_ids is not None:
+            weight, bias = weight[token_ids], None if bias is None else bias[token_ids]
+        logits = hidden.to(weight.dtype) @ weight.T
+        return (logits if bias is None else logits + bias).to(torch.float32)
 
-    def each(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def each(self, hidden: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[rows] float32: row i's logit of token ``ids[i]``, a product of the same dtype (one dot product a row)."""
-        dtype = _compute_dtype(hidden)
-        logits = (hidden.to(dtype).unsqueeze(1) @ self.weight[ids].to(dtype).unsqueeze(2)).reshape(-1)
-        if self.bias is not None:
-            logits = logits + self.bias[ids].to(dtype)
-        return logits.to(torch.float32)
+        weight, bias = self._in(dtype or product_dtype(hidden))
+        logits = (hidden.to(weight.dtype).unsqueeze(1) @ weight[ids].unsqueeze(2)).reshape(-1)
+        return (logits if bias is None else logits + bias[ids]).to(torch.float32)
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+def product_dtype(hidden: torch.Tensor, float32_head: bool = False) -> torch.dtype:
+    """The dtype of the model's output projection where it runs now: float32 under TRL's ``cast_lm_head_to_fp32``,
+    else autocast's where it is on (read inside the model's forward), else the hidden states'."""
+    if float32_head:
+        return torch.float32
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
@@ -100,9 +111,11 @@ class Positions:
         layer: OutputLayer | None,
         logits: torch.Tensor | None = None,
         lengths: list[int] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.hidden = hidden.reshape(-1, hidden.size(-1))
         self.layer = layer
+        self.dtype = dtype  # the projection's, read in the model's forward (None: from the hidden states now)
         self.raw = None if logits is None else logits.unsqueeze(0) if logits.dim() == 2 else logits
         # per row of ``raw``, the positions up to the end of its completion (the rest is padding: not read)
         self.lengths = lengths
@@ -174,7 +187,7 @@ class Positions:
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         """[rows, vocabulary] float32, a copy the caller may overwrite."""
         if self.raw is None:
-            return self._layer().logits(self.hidden[index])
+            return self._layer().logits(self.hidden[index], self.dtype)
         if isinstance(index, slice):
             return self._one_row()[index].to(torch.float32, copy=True)
         width = self.raw.size(1)
@@ -184,7 +197,7 @@ class Positions:
         """[rows, k] float32: the logits of ``token_ids`` [k] at the rows ``index`` (never a row in full)."""
         if self.raw is not None:
             return self.raw.index_select(2, token_ids).reshape(-1, token_ids.numel())[index].to(torch.float32)
-        return self._layer().of(self.hidden[index], token_ids)
+        return self._layer().of(self.hidden[index], token_ids, self.dtype)
 
     def sampled(self, index: slice, ids: torch.Tensor) -> torch.Tensor:
         """[rows] float32: each row's logit of its own token; ``ids`` are those of the rows ``index``."""
@@ -193,7 +206,7 @@ class Positions:
                 return self._one_row()[index].gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float32)
             assert ids.numel() == len(self), "several rows of TRL's logits are read whole"
             return self.raw.gather(2, ids.reshape(*self.raw.shape[:2], 1)).reshape(-1).to(torch.float32)
-        return self._layer().each(self.hidden[index], ids)
+        return self._layer().each(self.hidden[index], ids, self.dtype)
 
 
 @dataclass
@@ -379,15 +392,11 @@ class Scorer:
 
     def own_plain(self, positions: Positions) -> bool:
         """The plain distribution's log-prob is the fix's, the engine's arithmetic: wherever TRL's logits are read
-        (TRL 1.9.1: its bf16 or float32 log-softmax is not the engine's), and on TRL 1.16's fused head where the
-        engine runs V1 (torch's float32 sum, which TRL's online log-sum-exp does not reproduce: a one-signed 1-3e-7
-        nats per token on an H100) and the whole output layer is here to project the hidden states again."""
-        return positions.raw is not None or self.reprojects(positions.layer)
-
-    def reprojects(self, layer: OutputLayer | None) -> bool:
-        """Without TRL's logits (its fused head), the plain log-prob needs the hidden states projected again: where
-        the engine runs V1 and the whole output layer is here."""
-        return layer is not None and self.distribution.runner != V2_RUNNER
+        (TRL 1.9.1: its bf16 or float32 log-softmax is not the engine's), and on TRL 1.16's fused head wherever the
+        whole output layer is here to project the hidden states again (TRL's online log-sum-exp is neither V1's
+        float32 sum, a one-signed 1-3e-7 nats per token away on an H100, nor V2's within 1e-4 of a 2,048-token
+        weight)."""
+        return positions.raw is not None or positions.layer is not None
 
     def steps(self, rows: int, vocabulary: int, device: torch.device) -> VllmSteps:
         key = (rows, vocabulary, device)
@@ -423,10 +432,10 @@ class Scorer:
         one ``nonzero`` over all of them."""
         distribution = self.distribution
         temperature = distribution.temperature
-        sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
         plain = positions.plain_log_probs(temperature, ids, distribution.runner) if self.own_plain(positions) else None
-        if not distribution.banned:
-            return Scored.pending(sampled, plain)
+        if not distribution.banned:  # the sampled logit only weighs the banned share
+            return Scored.pending(torch.full((len(positions),), math.nan, device=ids.device), plain)
+        sampled = torch.cat([positions.sampled(index, ids[index]) for index in chunks]) / temperature
         nan = torch.full_like(sampled, math.nan)
         banned_ids = torch.tensor(distribution.banned, device=ids.device)
         banned = torch.cat([positions.columns(index, banned_ids) for index in chunks]) / temperature
