@@ -26,10 +26,10 @@ log-softmaxes them in bf16, so its log-prob carries bf16 rounding (spacing 0.03 
 subtracts a log-sum-exp; TRL 1.16's fused head folds bf16 tiles of the same logits into an online log-sum-exp. Each
 rounds differently from the engine, one-signed over a completion (on an H100, up to 5.6e-4 of a 2,048-token
 completion's weight against V1, docs/gpu-results.md section 17). So the plain distribution's log-prob is the fix's
-own (``Scorer.own_plain``) wherever TRL's logits are read (TRL 1.9.1), and on TRL 1.16 where the engine runs V1 and
-the whole output layer is here: the hidden states are projected again, a chunk at a time. Where the engine runs V2,
-TRL 1.16's log-probs are used as they are (V2's block sums and TRL's online sum are both unbiased: within ~1e-4 of
-the weight at 2,048 tokens, 2e-8 nats per token on average), and the plain distribution costs nothing there.
+own (``Scorer.own_plain``) wherever TRL's logits are read (TRL 1.9.1), and on TRL 1.16's fused head on either runner
+(against V2 its online sum keeps up to 1.04e-4 of the weight at 2,048 tokens): the hidden states are projected again,
+a chunk at a time, in the dtype the fused head's tiles had. Only where the output layer is sharded does TRL 1.16's own
+log-prob stay (said once).
 """
 
 from __future__ import annotations
