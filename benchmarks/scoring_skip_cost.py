@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SWITCH = "TRL_VLM_FIXES_SCORING_SKIP"
 PHASES = ("rollout", "scoring", "decoding")  # CPU seconds inside TRL's rollout, its scoring pass, the engine's decoding
 
 
@@ -110,11 +109,10 @@ def main() -> None:
     import torch
     from transformers import AutoProcessor, PrinterCallback, TrainerCallback
 
-    import trl_vlm_fixes
     from trl_vlm_fixes.patches.scoring_skip import scope
     from trl_vlm_fixes.selftest.checks.scoring_skip import RATIO, by_row, gap
     from trl_vlm_fixes.selftest.engine_standin import StandInLLM
-    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, build_trainer, mixed_dataset
+    from trl_vlm_fixes.selftest.fixtures import MIXED_SAMPLES, build_trainer, fix_switched, mixed_dataset
     from trl_vlm_fixes.selftest.rollout_schedule import standin_engine_installed
     from trl_vlm_fixes.selftest.tiny_model import build_tiny_qwen35_vlm, sized_text
 
@@ -135,10 +133,7 @@ def main() -> None:
             def on_step_end(self, *_: Any, **__: Any) -> None:
                 timed.step_ended()
 
-        os.environ[SWITCH] = "1" if on else "0"
-        trl_vlm_fixes.revert()
-        trl_vlm_fixes.apply()
-        with standin_engine_installed(TimedLLM):
+        with fix_switched("scoring_skip", on), standin_engine_installed(TimedLLM):
             trainer = build_trainer(
                 model_dir,
                 processor,
@@ -177,24 +172,15 @@ def main() -> None:
         timed.log = list(trainer.state.log_history)
         return timed
 
-    saved = os.environ.get(SWITCH)
     runs: dict[str, list[Timed]] = {"fix off (TRL's pass)": [], "fix on (skipped)": []}
-    try:
-        with tempfile.TemporaryDirectory() as scratch:
-            model_dir = build_tiny_qwen35_vlm(
-                os.path.join(scratch, "model"), text=text, vision={"out_hidden_size": args.hidden}
-            )
-            processor = AutoProcessor.from_pretrained(model_dir)
-            for _ in range(args.repeat):
-                for label, fix_on in zip(runs, (False, True), strict=True):
-                    runs[label].append(train(model_dir, processor, os.path.join(scratch, "out"), fix_on))
-    finally:
-        if saved is None:
-            os.environ.pop(SWITCH, None)
-        else:
-            os.environ[SWITCH] = saved
-        trl_vlm_fixes.revert()
-        trl_vlm_fixes.apply()
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = build_tiny_qwen35_vlm(
+            os.path.join(scratch, "model"), text=text, vision={"out_hidden_size": args.hidden}
+        )
+        processor = AutoProcessor.from_pretrained(model_dir)
+        for _ in range(args.repeat):
+            for label, fix_on in zip(runs, (False, True), strict=True):
+                runs[label].append(train(model_dir, processor, os.path.join(scratch, "out"), fix_on))
     best = {label: min(timed, key=lambda t: t.per_step("cpu")) for label, timed in runs.items()}
     off, on = best.values()
     print(

@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import trl_vlm_fixes
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
     build_random_qwen35,
@@ -179,6 +177,7 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from trl_vlm_fixes.patches.weight_buckets import MIB, aside_reason, bucket_bytes
+    from trl_vlm_fixes.selftest.fixtures import fix_switched
 
     if args.load_format != "auto" and not args.stand_in:
         setattr(vllm_generation, "LLM", functools.partial(vllm_generation.LLM, load_format=args.load_format))  # noqa: B010
@@ -251,16 +250,12 @@ def main() -> None:
         return seconds
 
     trainer = {name: p.detach() for name, p in model.named_parameters()}
-    saved_switch = os.environ.get(SWITCH)
     snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
     comparison: dict[str, Any] = {}
     results: dict[str, dict[str, Any]] = {}
     report["variants"] = results
-    try:
-        for key, label, switch in VARIANTS:
-            os.environ[SWITCH] = switch
-            trl_vlm_fixes.revert()
-            trl_vlm_fixes.apply()
+    for key, label, switch in VARIANTS:
+        with fix_switched("weight_buckets", switch == "1"):
             result: dict[str, Any] = {"label": label, SWITCH: switch, "pushes": 0}
             result["fix_state"] = fix_states().get("weight_buckets")
             result["aside_reason"] = aside_reason(generation) if switch == "1" else None
@@ -314,13 +309,6 @@ def main() -> None:
             engine.wake_up(tags=["kv_cache"])
             engine.sleep(level=2)
             Path(args.out).write_text(json.dumps(report, indent=2))  # what is done so far outlives a killed call
-    finally:
-        if saved_switch is None:
-            os.environ.pop(SWITCH, None)
-        else:
-            os.environ[SWITCH] = saved_switch
-        trl_vlm_fixes.revert()
-        trl_vlm_fixes.apply()
 
     off, on = results["off"], results["on"]
     report["ratio_off_on_best"] = off["push_s_best"] / on["push_s_best"]

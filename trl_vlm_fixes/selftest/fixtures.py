@@ -6,6 +6,9 @@ Prompts differ in text length and images differ in size, so the prompt token len
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # (image width, image height, prompt text): a big image with a short text beside a small image with a long text
@@ -92,3 +95,27 @@ def build_trainer(model_dir: Any, processor: Any, output_dir: str, kind: str = "
         processing_class=processor,
         **rollout,
     )
+
+
+@contextmanager
+def fix_switched(fix_name: str, on: bool) -> Iterator[None]:
+    """The plugin re-applied with one fix's switch set (every other fix as the environment says), and put back as it
+    was afterwards: a benchmark times a fix off and on in one process."""
+    import trl_vlm_fixes
+
+    from ..switches import fix_switch
+
+    variable = fix_switch(fix_name)
+    saved = os.environ.get(variable)
+    os.environ[variable] = "1" if on else "0"
+    trl_vlm_fixes.revert()
+    trl_vlm_fixes.apply()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved
+        trl_vlm_fixes.revert()
+        trl_vlm_fixes.apply()
