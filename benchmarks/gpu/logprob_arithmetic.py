@@ -44,7 +44,7 @@ from trl_vlm_fixes.selftest import v2_kernels
 
 CHUNK = 2048  # positions per float32 (and float64) copy
 TILE = 32768  # TRL 1.16's vocabulary tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
-Path_ = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+LogProbPath = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def trained_logits(positions: int, vocabulary: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ def sampled(logits: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.cat(ids)
 
 
-def chunked(path: Path_) -> Path_:
+def chunked(path: LogProbPath) -> LogProbPath:
     """``path`` over ``CHUNK`` positions at a time (one float32 copy of a chunk at a time)."""
 
     def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -101,7 +101,7 @@ class V2:
         return self.engine.logprobs(self.scaled(logits, temperature), ids[:, None])
 
 
-def exact(scale: Callable[[torch.Tensor, float], torch.Tensor]) -> Path_:
+def exact(scale: Callable[[torch.Tensor, float], torch.Tensor]) -> LogProbPath:
     """float64 log-softmax of the float32 values the engine's temperature step gives."""
 
     def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -111,7 +111,7 @@ def exact(scale: Callable[[torch.Tensor, float], torch.Tensor]) -> Path_:
     return run
 
 
-def torch_path(runner: str) -> Path_:
+def torch_path(runner: str) -> LogProbPath:
     def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
         positions = processed.Positions(logits[:, :1].float(), None, logits)
         return positions.plain_log_probs(temperature, ids, runner)
@@ -158,7 +158,7 @@ def logits_record(
         "v1": chunked(exact(v1_scaled))(logits, ids, temperature),
         "v2": chunked(exact(v2.scaled))(logits, ids, temperature),
     }
-    trainers: dict[str, tuple[str, Path_]] = {
+    trainers: dict[str, tuple[str, LogProbPath]] = {
         "the fix (V1)": ("v1", torch_path(V1_RUNNER)),
         "the fix (V2)": ("v2", torch_path(V2_RUNNER)),
     }
