@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--chunk-elements", type=int, default=0, help="the fix's chunk size to try (0: its own)")
     parser.add_argument("--before", default="", help="a plugin checkout whose sampling_parity core is timed too")
     parser.add_argument("--rule", default="engine", choices=("engine", "sort"), help="top-k/top-p rule on the CPU")
+    parser.add_argument("--cases", default="", help="only the settings whose names start with these (comma-separated)")
     args = parser.parse_args()
 
     import torch
@@ -114,6 +115,9 @@ def main() -> None:
         "top_p=0.95 alone": {"top_p": 0.95},
         "min_p=0.05": {"min_p": 0.05},
     }
+    if args.cases:
+        wanted = tuple(name.strip() for name in args.cases.split(","))
+        cases = {name: fields for name, fields in cases.items() if name.startswith(wanted)}
     tokens = args.rows * keep
     print(
         f"scoring pass: {args.rows} x ({args.prompt} + {keep}) tokens, hidden {args.hidden}, {args.layers} layers, "
@@ -138,6 +142,13 @@ def main() -> None:
         if "before" in measured:
             ratios = [after / before for after, before in zip(measured["after"], measured["before"], strict=True)]
             print(f"  {'':<28} {'ratio':<7} {ratios[0]:>29.2f}x {ratios[1]:>33.2f}x  (after / before)")
+    from trl_vlm_fixes.patches.sampling_parity import engine_steps
+
+    verdicts = {
+        f"{device} V={vocabulary} scaled={scaled}": trusted
+        for (device, vocabulary, scaled), trusted in engine_steps._v1_verdicts.items()
+    }
+    print(f"V1 kernel used (it gave torch's bits on its check): {verdicts or 'never checked (not CUDA)'}")
 
 
 def core_of(checkout: str) -> Any:

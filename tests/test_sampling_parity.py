@@ -308,9 +308,9 @@ def test_a_ban_needs_no_logits_unless_it_holds_most_of_the_mass(monkeypatch: pyt
     digits there), and then exact; on either runner."""
     states, layer, logits, ids, vllm_logprobs = dominant_ban_case(5000, slice(0, 8))  # the first positions
     projected: list[int] = []
-    full = layer.logits
+    full = layer.products  # every full projection (``logits`` is its float32 copy)
     monkeypatch.setattr(
-        layer, "logits", lambda hidden, dtype=None: projected.append(hidden.size(0)) or full(hidden, dtype)
+        layer, "products", lambda hidden, dtype=None: projected.append(hidden.size(0)) or full(hidden, dtype)
     )
     distribution = read_distribution(BANS, None)
     assert isinstance(distribution, SamplingDistribution)

@@ -19,7 +19,9 @@ V2's ``compute_token_logprobs`` (a Triton kernel: block sums of Triton's ``exp``
 section 17) they round differently by a one-signed 1-3e-7 nats per token on a trained spread (torch's float32 sum
 loses small terms beside the largest: 5.7e-4 of a 2,048-token completion's weight at 248,320 tokens; V2's sum is
 unbiased), and neither equals a third arithmetic (a one-pass kernel, TRL 1.16's online log-sum-exp) within 1e-4 of
-the weight at 2,048 tokens; the function itself on the same float32 values gives the same bits.
+the weight at 2,048 tokens; the function itself on the same float32 values gives the same bits. On CUDA, V1's is
+read from the model's logits by ``v1_log_softmax``'s kernel (torch's summation order, no float32 copy) once it gave
+torch's own bits on the first positions scored for that vocabulary (``plain_log_probs``).
 """
 
 from __future__ import annotations
@@ -27,16 +29,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .distribution import V2_RUNNER
+from ...log_once import warn_once
+from ...logs import fix_logger
+from . import v1_log_softmax
+from .distribution import V1_RUNNER, V2_RUNNER
 
 V2_SAMPLE = "vllm.v1.worker.gpu.sample"
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+LOGGER = fix_logger("trl_vlm_fixes.patches.sampling_parity")
+CHECK_POSITIONS = 64  # positions of the first call checked bit for bit before the kernel is trusted
+KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # where V1's log-softmax is torch's CUDA kernel (the kernel's order)
 
 
 @functools.cache
@@ -117,3 +126,97 @@ def logit_min_p(logits: torch.Tensor, min_p: float, runner: str) -> torch.Tensor
     log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float32))  # float32's log, as the kernel's tl.log of min_p
     threshold = logits.amax(dim=-1, keepdim=True) + log_min_p.to(logits.device)
     return logits.masked_fill_(logits < threshold, -math.inf)
+
+
+def copied_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
+    """[rows] the engine's float32 log-prob of each row's token ``ids`` under ``logits`` [rows, vocabulary] (any
+    float dtype; never modified) at ``temperature``: a float32 copy, the ``runner``'s temperature step, its
+    log-softmax."""
+    values = logits.to(torch.float32, copy=True)
+    return log_probs(apply_scalar(values, temperature, runner), ids, runner)
+
+
+def read_by_kernel(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str, rows: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``copied_log_probs`` of the positions ``rows`` (flat indices over ``logits``' leading dimensions; all where
+    None), read from ``logits`` [..., vocabulary] themselves by ``v1_log_softmax``'s kernel where the engine runs V1,
+    the logits are on CUDA and the kernel gave torch's bits there (``_v1_kernel_trusted``); else None (the caller
+    copies)."""
+    if runner != V1_RUNNER or logits.device.type not in KERNEL_DEVICE_TYPES:
+        return None
+    if not _v1_kernel_trusted(logits, ids, temperature, rows):
+        return None
+    with _current(logits.device):
+        return v1_log_softmax.kernel_log_probs(logits, ids, temperature, rows)
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made the current CUDA device (Triton launches there)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _positions(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[len(index), vocabulary]: the logits at flat positions ``index`` over the leading dimensions, gathered
+    without reshaping the whole tensor (a strided view of TRL's logits would be copied whole)."""
+    leading = logits.shape[:-1]
+    if len(leading) == 1:
+        return logits[index]
+    return logits[torch.unravel_index(index, leading)]
+
+
+_v1_verdicts: dict[tuple[torch.device, int, bool], bool] = {}
+
+
+def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
+    """The kernel gave torch's own bits on this device, vocabulary and kind of temperature (1, or a division): decided
+    on the first ``CHECK_POSITIONS`` positions of the first call with that many (one read back to the host, once);
+    where it did not, or could not run, torch's function runs from then on and one WARNING says why."""
+    vocabulary = logits.size(-1)
+    key = (logits.device, vocabulary, temperature != 1.0)
+    if key in _v1_verdicts:
+        return _v1_verdicts[key]
+    why = v1_log_softmax.kernel_fits(vocabulary) or ("" if logits.stride(-1) == 1 else "the logits are not packed")
+    if why:
+        _v1_verdicts[key] = False
+        _say_not_trusted(key, why)
+        return False
+    count = logits.numel() // vocabulary if rows is None else rows.numel()
+    if count < CHECK_POSITIONS:
+        return False  # too few positions to judge: torch's function this time
+    head = torch.arange(CHECK_POSITIONS, device=logits.device) if rows is None else rows[:CHECK_POSITIONS]
+    chosen = ids.reshape(-1)[:CHECK_POSITIONS]
+    try:
+        with _current(logits.device):
+            fast = v1_log_softmax.kernel_log_probs(logits, chosen, temperature, head)
+    except Exception as error:  # noqa: BLE001 - a Triton or driver that cannot build it: torch's function, said once
+        _v1_verdicts[key] = False
+        _say_not_trusted(key, f"the kernel could not run ({type(error).__name__}: {error})")
+        return False
+    reference = copied_log_probs(_positions(logits, head), chosen, temperature, V1_RUNNER)
+    differing = int((fast != reference).sum())  # the one read back to the host
+    _v1_verdicts[key] = differing == 0
+    if differing:
+        _say_not_trusted(key, f"it differs from torch's log_softmax in {differing} of {CHECK_POSITIONS} positions")
+    else:
+        warn_once(
+            ("sampling_parity", "v1 kernel", key),
+            "V1's log-prob is read from the model's logits by the fix's kernel (torch's summation order; %d "
+            "positions gave torch's own bits at %d tokens on %s): no float32 copy",
+            CHECK_POSITIONS,
+            vocabulary,
+            logits.device,
+            logger=LOGGER,
+            level=logging.INFO,
+        )
+    return _v1_verdicts[key]
+
+
+def _say_not_trusted(key: tuple[torch.device, int, bool], why: str) -> None:
+    warn_once(
+        ("sampling_parity", "v1 kernel", key),
+        "V1's log-prob is computed with torch's log_softmax on a float32 copy of the logits (exact; about 22 bytes "
+        "moved per logit instead of 4): the fix's kernel was not used because %s",
+        why,
+        logger=LOGGER,
+    )

@@ -74,13 +74,20 @@ class OutputLayer:
         """[rows, vocabulary] float32."""
         return self.of(hidden, None, dtype)
 
+    def products(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[rows, vocabulary] in the projection's own dtype (the values the model's logits hold)."""
+        weight, bias = self._in(dtype or product_dtype(hidden))
+        logits = hidden.to(weight.dtype) @ weight.T
+        return logits if bias is None else logits + bias
+
     def of(
         self, hidden: torch.Tensor, token_ids: torch.Tensor | None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """[rows, k] float32: the logits of ``token_ids`` [k] (every token: None) at ``hidden`` [rows, hidden]."""
+        if token_ids is None:
+            return self.products(hidden, dtype).to(torch.float32)
         weight, bias = self._in(dtype or product_dtype(hidden))
-        if token_ids is not None:
-            weight, bias = weight[token_ids], None if bias is None else bias[token_ids]
+        weight, bias = weight[token_ids], None if bias is None else bias[token_ids]
         logits = hidden.to(weight.dtype) @ weight.T
         return (logits if bias is None else logits + bias).to(torch.float32)
 
@@ -132,33 +139,39 @@ class Positions:
         return self.raw is not None and self.raw.dtype not in (torch.float32, torch.float64)
 
     def plain_log_probs(self, temperature: float, ids: torch.Tensor, runner: str) -> torch.Tensor:
-        """[rows] each row's float32 log-prob of its token ``ids`` under the plain distribution at ``temperature``,
-        with the engine's own arithmetic (float32 logits, the ``runner``'s temperature step and log-softmax), from
-        TRL's logits (up to each row's length; NaN after it, where TRL's own log-prob stays and the loss masks it
-        away) or, without them, from the hidden states projected through the output layer. Two float32 tensors of a
-        chunk at a time (``CHUNK_ELEMENTS`` together)."""
+        """[rows] each row's float32 log-prob of its token ``ids`` [rows] under the plain distribution at
+        ``temperature``, with the engine's own arithmetic, from TRL's logits (up to each row's length; NaN after it,
+        where TRL's own log-prob stays and the loss masks it away) or, without them, from the hidden states projected
+        through the output layer a chunk at a time: read by V1's kernel where it is trusted
+        (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time (``CHUNK_ELEMENTS`` with the
+        log-softmax's output: ``engine_steps.copied_log_probs``)."""
         if self.raw is None:
-            parts = [self._plain(self.rows(chunk), ids[chunk], temperature, runner) for chunk in self._plain_chunks()]
-            return torch.cat(parts)
+            return torch.cat(
+                [self._projected(index, ids[index], temperature, runner) for index in self._plain_chunks()]
+            )
         width = self.raw.size(1)
-        parts = []
-        for row in range(self.raw.size(0)):
-            length = width if self.lengths is None else self.lengths[row]
+        lengths = [width] * self.raw.size(0) if self.lengths is None else self.lengths
+        scored = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
+        scored = scored.to(ids.device)  # from the host's lengths: nothing read back
+        plain = torch.full((ids.numel(),), math.nan, dtype=torch.float32, device=ids.device)
+        read = engine_steps.read_by_kernel(self.raw, ids[scored], temperature, runner, scored)
+        if read is not None:
+            plain[scored] = read
+            return plain
+        for row, length in enumerate(lengths):
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
-                logits = self.raw[row, chunk].to(torch.float32, copy=True)
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop]
-                parts.append(self._plain(logits, chosen, temperature, runner))
-            if length < width:
-                parts.append(torch.full((width - length,), math.nan, device=ids.device))
-        return torch.cat(parts)
+                part = engine_steps.copied_log_probs(self.raw[row, chunk], chosen, temperature, runner)
+                plain[row * width + chunk.start : row * width + chunk.stop] = part
+        return plain
+
+    def _projected(self, index: slice, ids: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
+        products = self._layer().products(self.hidden[index], self.dtype)
+        read = engine_steps.read_by_kernel(products, ids, temperature, runner)
+        return read if read is not None else engine_steps.copied_log_probs(products, ids, temperature, runner)
 
     def _plain_chunks(self) -> list[slice]:
         return _chunks(len(self), 2 * self.vocabulary)
-
-    @staticmethod
-    def _plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
-        """The engine's temperature step and log-softmax on a float32 chunk it may overwrite."""
-        return engine_steps.log_probs(engine_steps.apply_scalar(logits, temperature, runner), ids, runner)
 
     def scored(self, device: torch.device) -> torch.Tensor:
         """[rows] True at the positions up to each completion's end (``lengths``; all of them without)."""

@@ -1,0 +1,194 @@
+"""V1's log-prob read from bf16 logits (``patches/sampling_parity/v1_log_softmax.py``) against torch's own CUDA
+``log_softmax`` on the float32 copy, as vLLM V1's sampler and the fix's torch path compute it: bits and time.
+
+    python benchmarks/gpu/v1_log_softmax.py [--positions 16384] [--vocabulary 151936,248320] [--out FILE]
+    python benchmarks/gpu/v1_log_softmax.py --dry-run   # the CPU, Triton's interpreter, small shapes
+
+Needs torch and Triton only (the GPU machine's torch 2.11.0 is vLLM 0.25.1's pin); the module is loaded from its file so
+neither TRL nor vLLM is imported. For each vocabulary, spread and temperature: the fix's torch path (chunks of
+``CHUNK_ELEMENTS / (2 * vocabulary)`` positions: a float32 copy, the engine's temperature division, ``log_softmax``, a
+gather) over ``--positions`` positions, the kernel on the bf16 logits, the positions whose float32 bits differ (for a
+token drawn from each row, and for each row's likeliest token, whose log-prob near 0 shows the row sum's last bits), and
+each one's time (mean of 3 after a warm-up). The same order written in torch operations (``emulated_log_probs``) on the
+first 64 rows tells whether torch's kernel sums in that order. Also: torch's function over chunks small enough to stay
+in the GPU's L2 cache (another way to the same bits), and the kernel's first-call compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK_ELEMENTS = 1 << 26  # processed.CHUNK_ELEMENTS: the fix's chunk holds two float32 tensors of this many / 2
+SPREADS = {"peaked": 4.5, "flat": 1.0, "dominant": 2.0}  # std of the logits; dominant: one token 25 above the rest
+
+
+def load_module() -> Any:
+    """v1_log_softmax from its file (its package's import would patch TRL)."""
+    path = ROOT / "trl_vlm_fixes" / "patches" / "sampling_parity" / "v1_log_softmax.py"
+    spec = importlib.util.spec_from_file_location("v1_log_softmax", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def logits_of(positions: int, vocabulary: int, spread: str, device: torch.device, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    values = torch.randn(positions, vocabulary, generator=generator, device=device) * SPREADS[spread]
+    if spread == "dominant":
+        top = torch.randint(0, vocabulary, (positions, 1), generator=generator, device=device)
+        values.scatter_add_(1, top, torch.full_like(top, 25, dtype=values.dtype))
+    return values.to(torch.bfloat16)
+
+
+def sampled(logits: torch.Tensor, temperature: float, seed: int) -> torch.Tensor:
+    """A token drawn from each row at ``temperature`` (the completions' tokens: log-probs of a few nats)."""
+    generator = torch.Generator(device=logits.device).manual_seed(seed)
+    parts = [
+        torch.multinomial(torch.softmax(part.float() / temperature, -1), 1, generator=generator).squeeze(1)
+        for part in logits.split(1024)
+    ]
+    return torch.cat(parts)
+
+
+def torch_path(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The fix's torch path (``Positions.plain_log_probs``), chunk by chunk."""
+    step = max(1, CHUNK_ELEMENTS // (2 * logits.size(1)))
+    parts = []
+    for part, chosen in zip(logits.split(step), ids.split(step), strict=True):
+        values = part.to(torch.float32, copy=True)
+        if temperature != 1.0:  # Sampler.apply_temperature: division by the requests' float32 temperatures
+            values.div_(torch.full((values.size(0), 1), temperature, dtype=torch.float32, device=values.device))
+        parts.append(torch.log_softmax(values, dim=-1).gather(1, chosen[:, None]).squeeze(1))
+    return torch.cat(parts)
+
+
+def l2_chunks(rows: int) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """torch's function (temperature 1) over ``rows`` positions at a time into two reused buffers."""
+
+    def run(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        source = torch.empty(rows, logits.size(1), dtype=torch.float32, device=logits.device)
+        output = torch.empty_like(source)
+        parts = []
+        for part, chosen in zip(logits.split(rows), ids.split(rows), strict=True):
+            count = part.size(0)
+            source[:count].copy_(part)
+            torch.ops.aten._log_softmax.out(source[:count], -1, False, out=output[:count])
+            parts.append(output[:count].gather(1, chosen[:, None]).squeeze(1))
+        return torch.cat(parts)
+
+    return run
+
+
+def timed_ms(function: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    result = function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(3):
+        function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return result, (time.perf_counter() - started) / 3 * 1e3
+
+
+def differing(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, Any]:
+    return {
+        "positions": int(ours.numel()),
+        "differing": int((ours != theirs).sum()),
+        "max_abs": float((ours.double() - theirs.double()).abs().max()),
+    }
+
+
+def record(
+    kernel: Callable[..., torch.Tensor],
+    emulated: Callable[..., torch.Tensor],
+    positions: int,
+    vocabulary: int,
+    spread: str,
+    temperature: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    logits = logits_of(positions, vocabulary, spread, device, seed=vocabulary % 1000 + len(spread))
+    ids = sampled(logits, temperature, seed=7)
+    reference, torch_ms = timed_ms(lambda: torch_path(logits, ids, temperature), device)
+    fast, kernel_ms = timed_ms(lambda: kernel(logits, ids, temperature), device)
+    likeliest = logits.argmax(dim=-1)  # a log-prob near 0, where float32 resolves the row sum's last bits
+    head = min(64, positions)
+    result = {
+        "vocabulary": vocabulary,
+        "spread": spread,
+        "temperature": temperature,
+        "kernel_vs_torch": differing(fast, reference),
+        "kernel_vs_torch_likeliest": differing(
+            kernel(logits, likeliest, temperature), torch_path(logits, likeliest, temperature)
+        ),
+        "emulated_vs_torch_first_rows_likeliest": differing(
+            emulated(logits[:head], likeliest[:head], temperature),
+            torch_path(logits[:head], likeliest[:head], temperature),
+        ),
+        "float32_input_vs_torch": differing(kernel(logits[:head].float(), ids[:head], temperature), reference[:head]),
+        "torch_path_ms": torch_ms,
+        "kernel_ms": kernel_ms,
+    }
+    if temperature == 1.0:
+        for rows in (32, 64):
+            chunked, ms = timed_ms(lambda rows=rows: l2_chunks(rows)(logits, ids, 1.0), device)
+            result[f"l2_chunks_{rows}"] = {"ms": ms, **differing(chunked, reference)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, default=16384, help="16 x 1,024")
+    parser.add_argument("--vocabulary", default="151936,248320")
+    parser.add_argument("--temperatures", default="1.0,0.7")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes")
+    parser.add_argument("--out", default="v1_log_softmax.json")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    module = load_module()
+    if args.dry_run:
+        sys.path.insert(0, str(ROOT))
+        from trl_vlm_fixes.selftest import interpreted_v1
+
+        kernel, emulated = interpreted_v1.kernel_log_probs, interpreted_v1.emulated_log_probs
+        vocabularies, positions = [12800], 4
+    else:
+        kernel, emulated = module.kernel_log_probs, module.emulated_log_probs
+        vocabularies, positions = [int(v) for v in args.vocabulary.split(",")], args.positions
+    report: dict[str, Any] = {
+        "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": getattr(module.triton, "__version__", None),
+        "results": [],
+    }
+    started = time.perf_counter()
+    warm = logits_of(2, vocabularies[0], "peaked", device, seed=0)
+    kernel(warm, torch.zeros(2, dtype=torch.int64, device=device), 1.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    report["first_call_s"] = time.perf_counter() - started
+    for vocabulary in vocabularies:
+        for spread in SPREADS:
+            for temperature in (float(t) for t in args.temperatures.split(",")):
+                entry = record(kernel, emulated, positions, vocabulary, spread, temperature, device)
+                report["results"].append(entry)
+                print(json.dumps(entry), flush=True)
+                Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
