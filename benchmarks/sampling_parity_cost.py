@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--chunk-elements", type=int, default=0, help="the fix's chunk size to try (0: its own)")
     parser.add_argument("--before", default="", help="a plugin checkout whose sampling_parity core is timed too")
     parser.add_argument("--rule", default="engine", choices=("engine", "sort"), help="top-k/top-p rule on the CPU")
+    parser.add_argument(
+        "--drawn", action="store_true", help="completions drawn at random, not generated (long ones, quickly)"
+    )
     parser.add_argument("--cases", default="", help="only the settings whose names start with these (comma-separated)")
     args = parser.parse_args()
 
@@ -86,9 +89,12 @@ def main() -> None:
     prompt = torch.randint(0, 1000, (args.rows, args.prompt))
     keep = args.completion
     # completions sampled from the model's own distribution, as vLLM's would be (the ban's cost depends on it)
-    ids = model.generate(
-        prompt, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=keep, min_new_tokens=keep, pad_token_id=0
-    )
+    if args.drawn:  # the plain log-prob's cost does not depend on which tokens were sampled
+        ids = torch.cat([prompt, torch.randint(0, args.vocabulary, (args.rows, keep))], dim=1)
+    else:
+        ids = model.generate(
+            prompt, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=keep, min_new_tokens=keep, pad_token_id=0
+        )
 
     def scoring_pass() -> Any:  # what TRL 1.9.1's _get_per_token_logps_and_entropies does for one chunk
         with torch.no_grad():
