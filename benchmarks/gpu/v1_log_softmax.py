@@ -149,12 +149,91 @@ def record(
     return result
 
 
+def trl_selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """TRL 1.9.1's ``selective_log_softmax`` on bf16 logits (its non-float32 branch: a log-softmax per row), used
+    where TRL is not installed (the dry run checks it against TRL's own)."""
+    pairs = zip(logits, index, strict=True)
+    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, labels[:, None]) for row, labels in pairs]).squeeze(
+        -1
+    )
+
+
+def scoring_record(
+    vocabulary: int, rows: int, completion: int, hidden: int, layers: int, device: torch.device
+) -> dict[str, Any]:
+    """The fix's plain log-prob (``Positions.plain_log_probs``, TRL 1.9.1's logits read, temperature 1, V1) beside
+    the no-gradient scoring pass it joins (a random Qwen3.5 text stack, bf16: its forward and TRL's
+    ``selective_log_softmax``, as ``benchmarks/sampling_parity_cost.py`` times it): with the kernel (the gate's
+    verdict as it falls) and with the float32 copy (the gate told no), bits compared. Without flash-linear-attention
+    (not on the GPU machine) transformers runs its Gated-DeltaNet in PyTorch: the pass is slower than a tuned one, so
+    the shares are lower bounds of the share in a tuned pass (as in docs/gpu-results.md#sampling-parity-cost)."""
+    sys.path.insert(0, str(ROOT))
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from trl_vlm_fixes.patches.sampling_parity import engine_steps, processed
+    from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER
+    from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
+
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError:
+        selective_log_softmax = trl_selective_log_softmax
+    torch.manual_seed(0)
+    heads = max(2, hidden // 128)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocabulary,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        tie_word_embeddings=False,
+        **qwen35_layer_stack(layers, heads, head_dim=128, value_heads=heads),
+    )
+    model = Qwen3_5ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits of a few units: a peaked distribution, as a trained model's
+    prompt = 256 if device.type == "cuda" else 8
+    ids = torch.randint(0, vocabulary, (rows, prompt + completion), device=device)
+    completion_ids = ids[:, -completion:]
+
+    def scoring_pass() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            logits = model(input_ids=ids, logits_to_keep=completion + 1, use_cache=False).logits[:, :-1, :]
+            return logits, selective_log_softmax(logits, completion_ids)
+
+    (logits, _), pass_ms = timed_ms(scoring_pass, device)
+    positions = processed.Positions(torch.zeros(rows, completion, 1, device=device), None, logits, [completion] * rows)
+    flat_ids = completion_ids.reshape(-1)
+    key = (logits.device, vocabulary, False)
+    engine_steps._v1_verdicts.pop(key, None)
+    fast, fast_ms = timed_ms(lambda: positions.plain_log_probs(1.0, flat_ids, V1_RUNNER), device)
+    trusted = engine_steps._v1_verdicts.get(key)
+    engine_steps._v1_verdicts[key] = False  # the float32 copy, as without the kernel
+    copied, copied_ms = timed_ms(lambda: positions.plain_log_probs(1.0, flat_ids, V1_RUNNER), device)
+    engine_steps._v1_verdicts.pop(key, None)
+    return {
+        "section": "scoring pass",
+        "vocabulary": vocabulary,
+        "positions": f"{rows} x {completion}",
+        "model": f"hidden {hidden}, {layers} layers",
+        "kernel_trusted": trusted,
+        "fix_vs_copy": differing(fast, copied),
+        "scoring_pass_ms": pass_ms,
+        "fix_ms": fast_ms,
+        "copy_ms": copied_ms,
+        "fix_share": fast_ms / pass_ms,
+        "copy_share": copied_ms / pass_ms,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, default=16384, help="16 x 1,024")
     parser.add_argument("--vocabulary", default="151936,248320")
     parser.add_argument("--temperatures", default="1.0,0.7")
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes")
+    parser.add_argument("--scoring", default="1024,2048", help="completion lengths of the scoring-pass section")
+    parser.add_argument("--rows", type=int, default=16, help="scoring-pass section: completions in one model call")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--out", default="v1_log_softmax.json")
     args = parser.parse_args()
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -187,7 +266,28 @@ def main() -> None:
                 report["results"].append(entry)
                 print(json.dumps(entry), flush=True)
                 Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.dry_run:
+        check_trl_function(device)
+    for completion in (int(c) for c in args.scoring.split(",") if c):
+        for vocabulary in vocabularies:
+            shape = (2, 8, 64, 4) if args.dry_run else (args.rows, completion, args.hidden, args.layers)
+            entry = scoring_record(vocabulary, *shape, device)
+            report["results"].append(entry)
+            print(json.dumps(entry), flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=2))
+            torch.cuda.empty_cache() if device.type == "cuda" else None
     Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def check_trl_function(device: torch.device) -> None:
+    """The stand-in for TRL's ``selective_log_softmax`` gives TRL's own bits (where TRL is installed)."""
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError:
+        return
+    logits = logits_of(6, 12800, "peaked", device, seed=3).reshape(2, 3, 12800)
+    index = torch.randint(0, 12800, (2, 3), device=device)
+    assert torch.equal(trl_selective_log_softmax(logits, index), selective_log_softmax(logits, index))
 
 
 if __name__ == "__main__":
