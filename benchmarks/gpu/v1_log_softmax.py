@@ -187,7 +187,13 @@ def scoring_record(
         tie_word_embeddings=False,
         **qwen35_layer_stack(layers, heads, head_dim=128, value_heads=heads),
     )
-    model = Qwen3_5ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):  # built where it runs, in bf16: no float32 copy on the host first
+            model = Qwen3_5ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # logits of a few units: a peaked distribution, as a trained model's
     prompt = 256 if device.type == "cuda" else 8
