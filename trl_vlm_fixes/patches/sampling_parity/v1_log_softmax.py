@@ -95,8 +95,8 @@ if triton is not None:
             peak = tl.maximum(peak, tl.max(x, axis=1))
         for k in tl.static_range(TAIL):
             index = tail_start + k * BLOCK + lanes
-            x = tl.load(base + index, mask=index < vocabulary, other=float("-inf")).to(tl.float32)
-            peak = tl.maximum(peak, x)
+            last = tl.load(base + index, mask=index < vocabulary, other=float("-inf")).to(tl.float32)
+            peak = tl.maximum(peak, last)  # (another name: a loop-carried name keeps one shape)
         # division by a positive temperature is monotonic, so the max of the divided values is the divided max
         top = _scaled(tl.max(peak, axis=0), temperature, SCALE)
 
@@ -113,8 +113,9 @@ if triton is not None:
             total = total + fourth
         for k in tl.static_range(TAIL):
             index = tail_start + k * BLOCK + lanes
-            x = _scaled(tl.load(base + index, mask=index < vocabulary, other=0.0).to(tl.float32), temperature, SCALE)
-            total = total + tl.where(index < vocabulary, libdevice.exp(x - top), 0.0)
+            last = tl.load(base + index, mask=index < vocabulary, other=0.0).to(tl.float32)
+            last = _scaled(last, temperature, SCALE)
+            total = total + tl.where(index < vocabulary, libdevice.exp(last - top), 0.0)
         per_warp = _warp_sum(tl.reshape(total, [BLOCK // 32, 32]), BLOCK // 32)
         row_sum = tl.sum(_warp_sum(tl.reshape(per_warp, [1, BLOCK // 32]), 1), axis=0)
 
