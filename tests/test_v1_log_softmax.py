@@ -20,10 +20,10 @@ import torch
 from trl_vlm_fixes.log_once import forget
 from trl_vlm_fixes.patches.sampling_parity import engine_steps, v1_log_softmax
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER
-from trl_vlm_fixes.patches.sampling_parity.processed import Positions
+from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions
 from trl_vlm_fixes.selftest import interpreted_v1
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 # above torch's shared-memory kernel's bound; 4 whole 4,096-element steps and a tail of 2,560 (3 tail steps)
 VOCABULARY = 4 * 4096 + 2560
@@ -138,7 +138,52 @@ def test_kernel_trusted_where_it_gives_torchs_bits(
         read = engine_steps.read_by_kernel(logits, ids, 0.7, V1_RUNNER)
     assert read is not None and torch.equal(read, interpreted_v1.emulated_log_probs(logits, ids, 0.7))
     assert kernel_on_cpu == [engine_steps.CHECK_POSITIONS, 70]
-    assert any("gave torch's own bits" in r.getMessage() for r in caplog.records)
+    assert any("had torch's own bits" in r.getMessage() for r in caplog.records)
+
+
+def _tail_first(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The modelled order but each thread's tail elements folded in first: other bits in the last place of the row
+    sum only, in a few rows (a near miss)."""
+    values = logits.to(torch.float32) / temperature if temperature != 1.0 else logits.to(torch.float32)
+    rows, vocabulary = values.shape
+    block, full = v1_log_softmax.BLOCK, vocabulary // (4 * v1_log_softmax.BLOCK)
+    top = values.amax(dim=-1)
+    total = torch.zeros(rows, block)
+    for start in range(full * 4 * block, vocabulary, block):
+        part = values[:, start : start + block]
+        total[:, : part.size(1)] += interpreted_v1.numpy_exp(part - top[:, None])
+    body = values[:, : full * 4 * block].reshape(rows, full, block, 4)
+    for k in range(full):
+        for j in range(4):
+            total = total + interpreted_v1.numpy_exp(body[:, k, :, j] - top[:, None])
+    row_sum = v1_log_softmax._tree(v1_log_softmax._tree(total.reshape(rows, 32, 32)).reshape(rows, 1, 32))[:, 0]
+    chosen = values.gather(1, ids.reshape(-1, 1)).squeeze(1)
+    return (chosen - top) - interpreted_v1.numpy_log(row_sum)
+
+
+def test_the_check_sees_a_near_miss_in_the_row_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose order differs from torch's only in where the tail joins each thread's sum is refused: the check
+    reads each position's likeliest token, whose log-prob keeps the sum's last bits (here it shows there at least as
+    often as at the drawn tokens: 9 and 6 of 64 positions)."""
+    monkeypatch.setattr(engine_steps, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(
+        v1_log_softmax,
+        "kernel_log_probs",
+        lambda logits, ids, temperature, rows=None: _tail_first(logits, ids, temperature),
+    )
+    monkeypatch.setattr(
+        engine_steps,
+        "copied_log_probs",
+        lambda logits, ids, temperature, runner: interpreted_v1.emulated_log_probs(logits, ids, temperature),
+    )
+    logits = _logits(64, VOCABULARY, seed=18)
+    drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=torch.Generator().manual_seed(19))[:, 0]
+    at_drawn = int((_tail_first(logits, drawn, 1.0) != interpreted_v1.emulated_log_probs(logits, drawn, 1.0)).sum())
+    likeliest = _likely(logits)
+    at_likeliest = _tail_first(logits, likeliest, 1.0) != interpreted_v1.emulated_log_probs(logits, likeliest, 1.0)
+    assert int(at_likeliest.sum()) >= max(at_drawn, 1)
+    assert engine_steps.read_by_kernel(logits, drawn, 1.0, V1_RUNNER) is None
+    assert engine_steps._v1_verdicts == {(logits.device, VOCABULARY, False): False}
 
 
 def test_too_few_positions_wait_and_a_failing_build_steps_aside(
@@ -193,3 +238,58 @@ def test_positions_read_trl_logits_by_kernel_up_to_each_length(
         assert kernel_on_cpu == []
         assert torch.equal(plain[scored], copied)
     assert (plain[scored] - copied).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("vocabulary", "scaled", "dtype"), [(248_320, True, "bf16"), (151_936, False, "fp32")])
+def test_kernel_compiles_for_hopper(vocabulary: int, scaled: bool, dtype: str) -> None:
+    """Triton's interpreter runs what its CUDA compiler refuses (a loop-carried name that changes shape did, in the
+    first version): the kernel is compiled here for an H100 (sm_90: no GPU needed) at both vocabularies; its PTX divides
+    by the temperature with IEEE division exactly where a temperature is applied."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = vocabulary // (4 * v1_log_softmax.BLOCK)
+    source = ASTSource(
+        fn=v1_log_softmax._v1_log_prob_kernel,
+        signature={
+            "out_ptr": "*fp32",
+            "logits_ptr": f"*{dtype}",
+            "offsets_ptr": "*i64",
+            "ids_ptr": "*i64",
+            "temperature": "fp32",
+            "vocabulary": "i32",
+            "FULL": "constexpr",
+            "TAIL": "constexpr",
+            "SCALE": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        constexprs={
+            "FULL": full,
+            "TAIL": -(-(vocabulary - full * 4 * v1_log_softmax.BLOCK) // 1024),
+            "SCALE": scaled,
+            "BLOCK": v1_log_softmax.BLOCK,
+        },
+    )
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except RuntimeError as error:  # no ptxas with this Triton
+        if "ptxas" in str(error):
+            pytest.skip(f"Triton cannot assemble for CUDA here: {error}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert "ld.global" in ptx and ("div.rn.f32" in ptx) == scaled
+
+
+def test_projected_positions_read_by_kernel(kernel_on_cpu: list[int]) -> None:
+    """TRL 1.16's fused head keeps no logits: the hidden states are projected again in the head's dtype, and the
+    kernel reads those bf16 products (no float32 copy of them), one call per chunk of positions."""
+    generator = torch.Generator().manual_seed(20)
+    hidden = torch.randn(20, 16, generator=generator).to(torch.bfloat16)
+    layer = OutputLayer((torch.randn(VOCABULARY, 16, generator=generator) * 2).to(torch.bfloat16))
+    positions = Positions(hidden, layer, dtype=torch.bfloat16)
+    ids = _ids(20, VOCABULARY, seed=21)
+    engine_steps._v1_verdicts[(hidden.device, VOCABULARY, False)] = True
+    plain = positions.plain_log_probs(1.0, ids, V1_RUNNER)
+    products = layer.products(hidden, torch.bfloat16)
+    assert products.dtype == torch.bfloat16 and kernel_on_cpu == [20]
+    assert torch.equal(plain, interpreted_v1.emulated_log_probs(products, ids, 1.0))

@@ -143,9 +143,9 @@ def read_by_kernel(
     None), read from ``logits`` [..., vocabulary] themselves by ``v1_log_softmax``'s kernel where the engine runs V1,
     the logits are on CUDA and the kernel gave torch's bits there (``_v1_kernel_trusted``); else None (the caller
     copies)."""
-    if runner != V1_RUNNER or logits.device.type not in KERNEL_DEVICE_TYPES:
-        return None
-    if not _v1_kernel_trusted(logits, ids, temperature, rows):
+    if runner != V1_RUNNER or logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
+        return None  # (ROCm's torch reports "cuda" devices and sums in its own order)
+    if not _v1_kernel_trusted(logits, temperature, rows):
         return None
     with _current(logits.device):
         return v1_log_softmax.kernel_log_probs(logits, ids, temperature, rows)
@@ -168,10 +168,11 @@ def _positions(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 _v1_verdicts: dict[tuple[torch.device, int, bool], bool] = {}
 
 
-def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
+def _v1_kernel_trusted(logits: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
     """The kernel gave torch's own bits on this device, vocabulary and kind of temperature (1, or a division): decided
-    on the first ``CHECK_POSITIONS`` positions of the first call with that many (one read back to the host, once);
-    where it did not, or could not run, torch's function runs from then on and one WARNING says why."""
+    on ``CHECK_POSITIONS`` positions spread over the first call with that many, each at its likeliest token (one read
+    back to the host, once); where it did not, or could not run, torch's function runs from then on and one WARNING
+    says why."""
     vocabulary = logits.size(-1)
     key = (logits.device, vocabulary, temperature != 1.0)
     if key in _v1_verdicts:
@@ -184,8 +185,12 @@ def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
     count = logits.numel() // vocabulary if rows is None else rows.numel()
     if count < CHECK_POSITIONS:
         return False  # too few positions to judge: torch's function this time
-    head = torch.arange(CHECK_POSITIONS, device=logits.device) if rows is None else rows[:CHECK_POSITIONS]
-    chosen = ids.reshape(-1)[:CHECK_POSITIONS]
+    # positions spread over the call; each one's likeliest token, whose log-prob (near 0) keeps the row sum's last
+    # bits (a drawn token's, some nats down, rounds most of them away)
+    spread = torch.linspace(0, count - 1, CHECK_POSITIONS, device=logits.device).long()
+    head = spread if rows is None else rows[spread]
+    checked = _positions(logits, head)
+    chosen = checked.argmax(dim=-1)
     try:
         with _current(logits.device):
             fast = v1_log_softmax.kernel_log_probs(logits, chosen, temperature, head)
@@ -193,16 +198,17 @@ def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
         _v1_verdicts[key] = False
         _say_not_trusted(key, f"the kernel could not run ({type(error).__name__}: {error})")
         return False
-    reference = copied_log_probs(_positions(logits, head), chosen, temperature, V1_RUNNER)
-    differing = int((fast != reference).sum())  # the one read back to the host
+    reference = copied_log_probs(checked, chosen, temperature, V1_RUNNER)
+    # bit patterns: a NaN logit gives NaN on both sides and is no difference
+    differing = int((fast.view(torch.int32) != reference.view(torch.int32)).sum())  # the one read back to the host
     _v1_verdicts[key] = differing == 0
     if differing:
         _say_not_trusted(key, f"it differs from torch's log_softmax in {differing} of {CHECK_POSITIONS} positions")
     else:
         warn_once(
             ("sampling_parity", "v1 kernel", key),
-            "V1's log-prob is read from the model's logits by the fix's kernel (torch's summation order; %d "
-            "positions gave torch's own bits at %d tokens on %s): no float32 copy",
+            "V1's log-prob is read from the model's logits by the fix's kernel (torch's summation order; at %d "
+            "positions its log-prob of the likeliest token had torch's own bits, %d tokens, %s): no float32 copy",
             CHECK_POSITIONS,
             vocabulary,
             logits.device,

@@ -152,7 +152,8 @@ class Positions:
         width = self.raw.size(1)
         lengths = [width] * self.raw.size(0) if self.lengths is None else self.lengths
         scored = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
-        scored = scored.to(ids.device)  # from the host's lengths: nothing read back
+        if ids.is_cuda:  # from the host's lengths, copied without waiting for the GPU's queue
+            scored = scored.pin_memory().to(ids.device, non_blocking=True)
         plain = torch.full((ids.numel(),), math.nan, dtype=torch.float32, device=ids.device)
         read = engine_steps.read_by_kernel(self.raw, ids[scored], temperature, runner, scored)
         if read is not None:
