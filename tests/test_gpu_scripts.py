@@ -265,6 +265,18 @@ def test_logprob_arithmetic_script_dry_run(tmp_path: Path) -> None:
     assert "engine v1 - float64" in stdout
 
 
+def test_v1_log_softmax_script_dry_run(tmp_path: Path) -> None:
+    """The V1 kernel's record (kernel interpreted here): every spread x temperature and the scoring-pass section
+    recorded and timed (on the CPU torch's own function sums in another order: the bit comparisons are the GPU's to
+    make); the fix's path equals the copy's here (off CUDA the kernel is never asked)."""
+    report, _ = _run(GPU / "v1_log_softmax.py", tmp_path / "v1.json", "--dry-run", "--scoring", "8")
+    kernel = [r for r in report["results"] if "kernel_vs_torch" in r]
+    scoring = [r for r in report["results"] if r.get("section") == "scoring pass"]
+    assert len(kernel) == 6 and len(scoring) == 1, report
+    assert all(r["torch_path_ms"] > 0 and r["kernel_ms"] > 0 for r in kernel)
+    assert scoring[0]["fix_vs_copy"]["differing"] == 0 and scoring[0]["kernel_trusted"] is None
+
+
 def test_weight_push_script_dry_run(tmp_path: Path) -> None:
     """weight_buckets' GPU record through the colocated stand-in: both variants push in one process, the bucketed one
     in fewer load_weights calls, and the engine's weights after each variant's last push (into NaN) are bit for bit
