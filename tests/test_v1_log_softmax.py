@@ -281,15 +281,23 @@ def test_kernel_compiles_for_hopper(vocabulary: int, scaled: bool, dtype: str) -
 
 
 def test_projected_positions_read_by_kernel(kernel_on_cpu: list[int]) -> None:
-    """TRL 1.16's fused head keeps no logits: the hidden states are projected again in the head's dtype, and the
-    kernel reads those bf16 products (no float32 copy of them), one call per chunk of positions."""
+    """TRL 1.16's fused head keeps no logits: the hidden states are projected again in the head's dtype, up to each
+    completion's end only (none of the padding after it), and the kernel reads those bf16 products (no float32 copy
+    of them), one call per chunk of positions; NaN after each end, where TRL's own log-prob stays."""
     generator = torch.Generator().manual_seed(20)
-    hidden = torch.randn(20, 16, generator=generator).to(torch.bfloat16)
+    hidden = torch.randn(2, 12, 16, generator=generator).to(torch.bfloat16)  # [completions, positions, hidden]
     layer = OutputLayer((torch.randn(VOCABULARY, 16, generator=generator) * 2).to(torch.bfloat16))
-    positions = Positions(hidden, layer, dtype=torch.bfloat16)
-    ids = _ids(20, VOCABULARY, seed=21)
+    projected: list[int] = []
+    products = layer.products
+    layer.products = lambda states, dtype=None: projected.append(states.size(0)) or products(states, dtype)  # type: ignore[method-assign]
+    positions = Positions(hidden, layer, lengths=[12, 5], dtype=torch.bfloat16)
+    ids = _ids(24, VOCABULARY, seed=21)
     engine_steps._v1_verdicts[(hidden.device, VOCABULARY, False)] = True
     plain = positions.plain_log_probs(1.0, ids, V1_RUNNER)
-    products = layer.products(hidden, torch.bfloat16)
-    assert products.dtype == torch.bfloat16 and kernel_on_cpu == [20]
-    assert torch.equal(plain, interpreted_v1.emulated_log_probs(products, ids, 1.0))
+    scored = positions.scored(ids.device)
+    assert projected == [17] and kernel_on_cpu == [17] and int(scored.sum()) == 17
+    assert plain[~scored].isnan().all()
+    expected = interpreted_v1.emulated_log_probs(
+        products(hidden.reshape(24, 16)[scored], torch.bfloat16), ids[scored], 1.0
+    )
+    assert torch.equal(plain[scored], expected)

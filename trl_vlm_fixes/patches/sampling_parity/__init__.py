@@ -505,7 +505,7 @@ def _scored_positions(
     @torch.no_grad()
     def on_model(module: Any, args: Any, output: Any) -> None:
         while waiting:  # the output layer never ran on them (a fused head): project the hidden states
-            hidden, ids, _, _, dtype = waiting.pop(0)
+            hidden, ids, kept, mask, dtype = waiting.pop(0)
             if layer is None and scorer.nothing_to_cut:  # TRL's own float32 log-probs: said once
                 _sharded_fused_head_once()
                 pass_.scored.append(Scored.pending(hidden.new_full(ids.shape, math.nan, dtype=torch.float32).flatten()))
@@ -513,7 +513,9 @@ def _scored_positions(
             if layer is None:
                 pass_.problem = f"{_SHARDED} and TRL's fused output layer gives no logits to read"
                 continue
-            pass_.scored.append(scorer.score(Positions(hidden, layer, dtype=dtype), ids))
+            # no plain log-prob made after each completion's end (the loss masks those positions away)
+            lengths = _completion_lengths(mask, hidden.size(0), kept)
+            pass_.scored.append(scorer.score(Positions(hidden, layer, lengths=lengths, dtype=dtype), ids))
 
     handles = [backbone.register_forward_hook(on_backbone, with_kwargs=True)]
     handles.append(head.register_forward_hook(on_head))

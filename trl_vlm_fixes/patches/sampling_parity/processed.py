@@ -124,8 +124,13 @@ class Positions:
         self.layer = layer
         self.dtype = dtype  # the projection's, read in the model's forward (None: from the hidden states now)
         self.raw = None if logits is None else logits.unsqueeze(0) if logits.dim() == 2 else logits
-        # per row of ``raw``, the positions up to the end of its completion (the rest is padding: not read)
+        # positions per row ([rows, positions, ...] logits or hidden states; one row where they come flat)
+        shaped = self.raw if self.raw is not None else hidden
+        self.width = int(shaped.size(1)) if shaped.dim() == 3 else len(self)
+        # per row, the positions up to the end of its completion (the rest is padding: no plain log-prob made there)
         self.lengths = lengths
+        if lengths is not None and len(lengths) * self.width != len(self):
+            raise ValueError(f"{len(lengths)} completion lengths for {len(self)} positions of {self.width} a row")
         if self.raw is None and layer is None:
             raise ValueError("positions without logits need the whole output layer")
 
@@ -140,25 +145,28 @@ class Positions:
 
     def plain_log_probs(self, temperature: float, ids: torch.Tensor, runner: str) -> torch.Tensor:
         """[rows] each row's float32 log-prob of its token ``ids`` [rows] under the plain distribution at
-        ``temperature``, with the engine's own arithmetic, from TRL's logits (up to each row's length; NaN after it,
-        where TRL's own log-prob stays and the loss masks it away) or, without them, from the hidden states projected
-        through the output layer a chunk at a time: read by V1's kernel where it is trusted
-        (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time (``CHUNK_ELEMENTS`` with the
-        log-softmax's output: ``engine_steps.copied_log_probs``)."""
-        if self.raw is None:
-            return torch.cat(
-                [self._projected(index, ids[index], temperature, runner) for index in self._plain_chunks()]
-            )
-        width = self.raw.size(1)
-        lengths = [width] * self.raw.size(0) if self.lengths is None else self.lengths
-        scored = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
-        if ids.is_cuda:  # from the host's lengths, copied without waiting for the GPU's queue
-            scored = scored.pin_memory().to(ids.device, non_blocking=True)
+        ``temperature``, with the engine's own arithmetic, up to each completion's length (NaN after it, where TRL's
+        own log-prob stays and the loss masks it away: nothing is projected or read there), from TRL's logits or,
+        without them, from the hidden states projected through the output layer a chunk at a time: read by V1's
+        kernel where it is trusted (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time
+        (``CHUNK_ELEMENTS`` with the log-softmax's output: ``engine_steps.copied_log_probs``)."""
         plain = torch.full((ids.numel(),), math.nan, dtype=torch.float32, device=ids.device)
+        lengths = [self.width] * (len(self) // self.width) if self.lengths is None else self.lengths
+        scored = self._scored_index(lengths, ids.device)
+        if self.raw is None:
+            for part in _chunks(scored.numel(), 2 * self.vocabulary):
+                index = scored[part]
+                products = self._layer().products(self.hidden[index], self.dtype)
+                read = engine_steps.read_by_kernel(products, ids[index], temperature, runner)
+                if read is None:
+                    read = engine_steps.copied_log_probs(products, ids[index], temperature, runner)
+                plain[index] = read
+            return plain
         read = engine_steps.read_by_kernel(self.raw, ids[scored], temperature, runner, scored)
         if read is not None:
             plain[scored] = read
             return plain
+        width = self.width
         for row, length in enumerate(lengths):
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop]
@@ -166,21 +174,19 @@ class Positions:
                 plain[row * width + chunk.start : row * width + chunk.stop] = part
         return plain
 
-    def _projected(self, index: slice, ids: torch.Tensor, temperature: float, runner: str) -> torch.Tensor:
-        products = self._layer().products(self.hidden[index], self.dtype)
-        read = engine_steps.read_by_kernel(products, ids, temperature, runner)
-        return read if read is not None else engine_steps.copied_log_probs(products, ids, temperature, runner)
-
-    def _plain_chunks(self) -> list[slice]:
-        return _chunks(len(self), 2 * self.vocabulary)
+    def _scored_index(self, lengths: list[int], device: torch.device) -> torch.Tensor:
+        """The flat indices of the positions up to each row's length, from the host's lengths (copied to a GPU
+        without waiting for its queue)."""
+        width = self.width
+        index = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
+        return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
     def scored(self, device: torch.device) -> torch.Tensor:
         """[rows] True at the positions up to each completion's end (``lengths``; all of them without)."""
-        if self.lengths is None or self.raw is None:
+        if self.lengths is None:
             return torch.ones(len(self), dtype=torch.bool, device=device)
-        width = self.raw.size(1)
         ends = torch.tensor(self.lengths, device=device)
-        return (torch.arange(width, device=device)[None, :] < ends[:, None]).reshape(-1)
+        return (torch.arange(self.width, device=device)[None, :] < ends[:, None]).reshape(-1)
 
     @property
     def vocabulary(self) -> int:
