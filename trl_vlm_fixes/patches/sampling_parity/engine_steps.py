@@ -21,7 +21,7 @@ loses small terms beside the largest: 5.7e-4 of a 2,048-token completion's weigh
 unbiased), and neither equals a third arithmetic (a one-pass kernel, TRL 1.16's online log-sum-exp) within 1e-4 of
 the weight at 2,048 tokens; the function itself on the same float32 values gives the same bits. On CUDA, V1's is
 read from the model's logits by ``v1_log_softmax``'s kernel (torch's summation order, no float32 copy) once it gave
-torch's own bits on the first positions scored for that vocabulary (``plain_log_probs``).
+torch's own bits at positions spread over the first call it reads for that vocabulary (``read_by_kernel``).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def read_by_kernel(
     copies)."""
     if runner != V1_RUNNER or logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
         return None  # (ROCm's torch reports "cuda" devices and sums in its own order)
-    if not _v1_kernel_trusted(logits, temperature, rows):
+    if not _v1_kernel_trusted(logits, ids, temperature, rows):
         return None
     with _current(logits.device):
         return v1_log_softmax.kernel_log_probs(logits, ids, temperature, rows)
@@ -168,11 +168,12 @@ def _positions(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 _v1_verdicts: dict[tuple[torch.device, int, bool], bool] = {}
 
 
-def _v1_kernel_trusted(logits: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
+def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
     """The kernel gave torch's own bits on this device, vocabulary and kind of temperature (1, or a division): decided
-    on ``CHECK_POSITIONS`` positions spread over the first call with that many, each at its likeliest token (one read
-    back to the host, once); where it did not, or could not run, torch's function runs from then on and one WARNING
-    says why."""
+    on ``CHECK_POSITIONS`` positions spread over the first call with that many and finite values (on TRL 1.16's
+    fused head, its first chunk of projected positions), each at its likeliest token and at its own (one read back
+    to the host, once); where it did not, or could not run, torch's function runs from then on and one WARNING says
+    why."""
     vocabulary = logits.size(-1)
     key = (logits.device, vocabulary, temperature != 1.0)
     if key in _v1_verdicts:
@@ -190,7 +191,10 @@ def _v1_kernel_trusted(logits: torch.Tensor, temperature: float, rows: torch.Ten
     spread = torch.linspace(0, count - 1, CHECK_POSITIONS, device=logits.device).long()
     head = spread if rows is None else rows[spread]
     checked = _positions(logits, head)
-    chosen = checked.argmax(dim=-1)
+    # each position twice: at its likeliest token and at the call's own (a log-prob some nats below 0: the final
+    # subtraction with a logit below the max)
+    head, chosen = head.repeat(2), torch.cat([checked.argmax(dim=-1), ids.reshape(-1)[spread]])
+    checked = checked.repeat(2, 1)
     try:
         with _current(logits.device):
             fast = v1_log_softmax.kernel_log_probs(logits, chosen, temperature, head)
@@ -199,16 +203,24 @@ def _v1_kernel_trusted(logits: torch.Tensor, temperature: float, rows: torch.Ten
         _say_not_trusted(key, f"the kernel could not run ({type(error).__name__}: {error})")
         return False
     reference = copied_log_probs(checked, chosen, temperature, V1_RUNNER)
-    # bit patterns: a NaN logit gives NaN on both sides and is no difference
-    differing = int((fast.view(torch.int32) != reference.view(torch.int32)).sum())  # the one read back to the host
+    # bit patterns; and a check over non-finite values (a NaN row is NaN on both sides) proves nothing: no verdict
+    differing, finite = (
+        int(value)
+        for value in torch.stack(
+            [(fast.view(torch.int32) != reference.view(torch.int32)).sum(), torch.isfinite(reference).sum()]
+        ).tolist()
+    )  # the one read back to the host
+    if finite < reference.numel() and not differing:
+        return False  # torch's function this time; the next call with finite values decides
     _v1_verdicts[key] = differing == 0
     if differing:
-        _say_not_trusted(key, f"it differs from torch's log_softmax in {differing} of {CHECK_POSITIONS} positions")
+        _say_not_trusted(key, f"it differs from torch's log_softmax in {differing} of {reference.numel()} log-probs")
     else:
         warn_once(
             ("sampling_parity", "v1 kernel", key),
             "V1's log-prob is read from the model's logits by the fix's kernel (torch's summation order; at %d "
-            "positions its log-prob of the likeliest token had torch's own bits, %d tokens, %s): no float32 copy",
+            "positions its log-probs of the likeliest and the sampled token had torch's own bits, %d tokens, %s): "
+            "no float32 copy",
             CHECK_POSITIONS,
             vocabulary,
             logits.device,

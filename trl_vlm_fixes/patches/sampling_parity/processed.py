@@ -170,8 +170,8 @@ class Positions:
         for row, length in enumerate(lengths):
             for chunk in _chunks(length, 2 * self.raw.size(-1)):
                 chosen = ids[row * width + chunk.start : row * width + chunk.stop]
-                part = engine_steps.copied_log_probs(self.raw[row, chunk], chosen, temperature, runner)
-                plain[row * width + chunk.start : row * width + chunk.stop] = part
+                read = engine_steps.copied_log_probs(self.raw[row, chunk], chosen, temperature, runner)
+                plain[row * width + chunk.start : row * width + chunk.stop] = read
         return plain
 
     def _scored_index(self, lengths: list[int], device: torch.device) -> torch.Tensor:

@@ -11,11 +11,12 @@ fit its shared-memory variant: one block of 1,024 threads a row; each thread fol
 reduced by warp shuffles (``WarpReduce``: lane i adds lane i + 16, + 8, ... + 1), the 32 warp results by one more
 warp; ``log`` of the sum; the logit minus the max minus that log. The float32 values are the bf16 logits upcast
 (exact), divided by the temperature with IEEE division (``Sampler.apply_temperature``), so reading bf16 gives the
-copy's values; only the two reads of each logit remain (4 bytes per logit).
+copy's values: 4 bytes read per logit.
 
 A summation order is torch's build's, not a documented contract, so the kernel is used only after it gave torch's
-own bits on the first rows of the first call for a vocabulary on a device (``FastV1LogProbs``); otherwise torch's
-function on a float32 copy runs, as before, and the reason is logged once.
+own bits at positions of the first call for a vocabulary on a device (``engine_steps.read_by_kernel``'s check);
+otherwise torch's function on a float32 copy runs, as before, and the reason is logged once. Only the two reads of
+each logit remain, as scalar loads (their time on a GPU: benchmarks/gpu/v1_log_softmax.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def kernel_fits(vocabulary: int) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _warp_sum(values, ROWS: tl.constexpr):
+    def _warp_sum(values, ROWS: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
         """[ROWS, 32] -> [ROWS]: each row summed as a warp's shuffle-down tree sums its 32 lanes."""
         values = tl.sum(tl.reshape(values, [ROWS, 2, 16]), axis=1)
         values = tl.sum(tl.reshape(values, [ROWS, 2, 8]), axis=1)
@@ -65,13 +66,13 @@ if triton is not None:
         return tl.reshape(values, [ROWS])
 
     @triton.jit
-    def _scaled(x, temperature, SCALE: tl.constexpr):
+    def _scaled(x, temperature, SCALE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
         if SCALE:
             x = tl.math.div_rn(x, temperature)  # IEEE division (Triton's / is approximate on CUDA)
         return x
 
     @triton.jit
-    def _v1_log_prob_kernel(
+    def _v1_log_prob_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
         out_ptr,
         logits_ptr,
         offsets_ptr,
