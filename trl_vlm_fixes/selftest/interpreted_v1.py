@@ -6,9 +6,6 @@ script's dry run). On a GPU the module's own compiled kernel runs."""
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,6 @@ from ..patches.sampling_parity import kernel_copy, v1_log_softmax
 
 # (compiled name, interpreted name): each occurs in the kernel's source
 _SUBSTITUTIONS = (("libdevice.exp(", "tl.exp("), ("libdevice.log(", "tl.log("))
-LogProbs = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @functools.cache
@@ -29,12 +25,7 @@ def _namespace() -> dict[str, Any]:
         if compiled not in source:
             raise RuntimeError(f"v1_log_softmax's kernel no longer calls {compiled}: update the interpreted copy")
         source = source.replace(compiled, interpreted)
-    path = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_v1_log_softmax_{os.getpid()}.py"  # re-read by inspect
-    path.write_text(source)
-    namespace: dict[str, Any] = {"__name__": "trl_vlm_fixes_v1_log_softmax_interpreted", "__file__": str(path)}
-    with kernel_copy.interpreting():
-        exec(compile(source, str(path), "exec"), namespace)  # the module's own source
-    return namespace
+    return kernel_copy.executed_in_interpreter(source, "trl_vlm_fixes_v1_log_softmax_interpreted")
 
 
 def kernel_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,13 +41,7 @@ def interpreted_module(name: str) -> dict[str, Any]:
     source = Path(spec.origin).read_text()
     if len(_TRITON_IMPORT.findall(source)) != 1:
         raise V2Unavailable(f"{spec.origin}: its triton import is not the one line this copy replaces")
-    source = _TRITON_IMPORT.sub(_REAL_TRITON, source)
-    path = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_v2_{os.getpid()}_{name}.py"  # the interpreter re-reads it
-    path.write_text(source)
-    namespace: dict[str, Any] = {"__name__": f"trl_vlm_fixes_v2_{name}", "__file__": str(path)}
-    with kernel_copy.interpreting():
-        exec(compile(source, str(path), "exec"), namespace)  # vLLM's own source
-    return namespace
+    return kernel_copy.executed_in_interpreter(_TRITON_IMPORT.sub(_REAL_TRITON, source), f"trl_vlm_fixes_v2_{name}")
 
 
 def kernels(on_gpu: bool) -> SimpleNamespace:

@@ -274,21 +274,27 @@ def copy_namespace(tiles: str) -> dict[str, Any]:
         if source.count(old) != occurrences:
             raise RuntimeError(f"{KERNEL_MODULE}: {old!r} occurs {source.count(old)} times, not {occurrences}")
         source = source.replace(old, new)
+    tiles_of = {"TILES_OF": lambda device_type: tiles}
+    namespace = executed_in_interpreter(source, f"trl_vlm_fixes_interpreted_{tiles}", tiles_of)  # checked above
+    namespace["num_compute_units"] = lambda device_id=None: _PROGRAMS
+    return namespace
+
+
+def executed_in_interpreter(source: str, name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The globals of ``source`` executed as module ``name`` (with ``extra`` globals), its ``@triton.jit`` functions
+    decorated in interpreter mode. The interpreter re-reads each kernel's source with ``inspect``, so the source is
+    written to a file first: one per user, name and content (written atomically: another process reading it sees
+    one whole file)."""
     directory = Path(tempfile.gettempdir()) / f"trl_vlm_fixes_kernels_{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"topk_topp_triton_{digest[:12]}_{tiles}.py"
+    path = directory / f"{name}_{_digest(source)[:12]}.py"
     if not path.exists() or path.read_text() != source:
         staged = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         staged.write_text(source)
-        staged.replace(path)  # atomic: another process reading it sees one whole file
-    namespace: dict[str, Any] = {
-        "__name__": f"trl_vlm_fixes_interpreted_{tiles}",
-        "__file__": str(path),
-        "TILES_OF": lambda device_type: tiles,
-    }
+        staged.replace(path)
+    namespace: dict[str, Any] = {"__name__": name, "__file__": str(path), **(extra or {})}
     with interpreting():
-        exec(compile(source, str(path), "exec"), namespace)  # vLLM's own source, checked above
-    namespace["num_compute_units"] = lambda device_id=None: _PROGRAMS
+        exec(compile(source, str(path), "exec"), namespace)
     return namespace
 
 
