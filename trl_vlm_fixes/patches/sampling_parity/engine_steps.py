@@ -83,7 +83,7 @@ def _run(kernel: Kernel | None, logits: torch.Tensor, values: torch.Tensor) -> t
     """One of V2's kernels on ``logits`` [rows, vocabulary], request i -> state i, in place."""
     assert kernel is not None and logits.stride(1) == 1, "V2's kernels read each row at its stride, columns packed"
     mapping = torch.arange(logits.size(0), dtype=torch.int32, device=logits.device)
-    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # Triton: current device
+    with _current(logits.device):
         kernel(logits, mapping, values)
     return logits
 
@@ -112,7 +112,7 @@ def log_probs(logits: torch.Tensor, ids: torch.Tensor, runner: str) -> torch.Ten
     V1's ``log_softmax`` (on the CPU, torch's is the arithmetic the engine stand-in and vLLM's CPU sampler report)."""
     kernel = v2_log_prob_kernel() if uses_v2_kernel(runner, logits.device) else None
     if kernel is not None:
-        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # Triton: current
+        with _current(logits.device):
             return kernel(logits.contiguous(), ids.unsqueeze(1)).squeeze(1)
     return torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
 
@@ -152,7 +152,7 @@ def read_by_kernel(
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """``device`` made the current CUDA device (Triton launches there)."""
+    """``device`` made the current CUDA device: Triton launches its kernels there."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
