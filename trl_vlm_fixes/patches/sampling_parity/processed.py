@@ -76,9 +76,7 @@ class OutputLayer:
 
     def products(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[rows, vocabulary] in the projection's own dtype (the values the model's logits hold)."""
-        weight, bias = self._in(dtype or product_dtype(hidden))
-        logits = hidden.to(weight.dtype) @ weight.T
-        return logits if bias is None else logits + bias
+        return self._project(hidden, None, dtype)
 
     def of(
         self, hidden: torch.Tensor, token_ids: torch.Tensor | None, dtype: torch.dtype | None = None
@@ -86,10 +84,15 @@ class OutputLayer:
         """[rows, k] float32: the logits of ``token_ids`` [k] (every token: None) at ``hidden`` [rows, hidden]."""
         if token_ids is None:
             return self.products(hidden, dtype).to(torch.float32)
+        return self._project(hidden, token_ids, dtype).to(torch.float32)
+
+    def _project(self, hidden: torch.Tensor, token_ids: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+        """[rows, k] in the projection's dtype: the logits of ``token_ids`` (every token: None)."""
         weight, bias = self._in(dtype or product_dtype(hidden))
-        weight, bias = weight[token_ids], None if bias is None else bias[token_ids]
+        if token_ids is not None:
+            weight, bias = weight[token_ids], None if bias is None else bias[token_ids]
         logits = hidden.to(weight.dtype) @ weight.T
-        return (logits if bias is None else logits + bias).to(torch.float32)
+        return logits if bias is None else logits + bias
 
     def each(self, hidden: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[rows] float32: row i's logit of token ``ids[i]``, a product of the same dtype (one dot product a row)."""
