@@ -151,10 +151,10 @@ def main() -> None:
     from trl_vlm_fixes.patches.sampling_parity import engine_steps
 
     verdicts = {
-        f"{device} V={vocabulary} scaled={scaled}": trusted
-        for (device, vocabulary, scaled), trusted in engine_steps._v1_verdicts.items()
+        f"{runner} {device} V={vocabulary} scaled={scaled}": trusted
+        for (runner, device, vocabulary, scaled), trusted in engine_steps._verdicts.items()
     }
-    print(f"V1 kernel used (it gave torch's bits on its check): {verdicts or 'never checked (not CUDA)'}")
+    print(f"kernel used (it gave the engine's bits on its check): {verdicts or 'never checked (not CUDA)'}")
 
 
 def core_of(checkout: str) -> Any:

@@ -266,15 +266,21 @@ def test_logprob_arithmetic_script_dry_run(tmp_path: Path) -> None:
 
 
 def test_v1_log_softmax_script_dry_run(tmp_path: Path) -> None:
-    """The V1 kernel's record (kernel interpreted here): every spread x temperature and the scoring-pass section
-    recorded and timed (on the CPU torch's own function sums in another order: the bit comparisons are the GPU's to
-    make); the fix's path equals the copy's here (off CUDA the kernel is never asked)."""
+    """The V1 and V2 kernels' record (kernels interpreted here): every spread x temperature and the scoring-pass
+    section recorded and timed (on the CPU torch's own function sums in another order: V1's bit comparisons are the
+    GPU's to make); V2's reader equals V2's own kernels, both interpreted, at each temperature; the fix's path equals
+    the copy's for both runners here (off CUDA the kernels are never asked)."""
     report, _ = _run(GPU / "v1_log_softmax.py", tmp_path / "v1.json", "--dry-run", "--scoring", "8")
     kernel = [r for r in report["results"] if "kernel_vs_torch" in r]
+    v2 = [r for r in report["results"] if r.get("section") == "V2"]
     scoring = [r for r in report["results"] if r.get("section") == "scoring pass"]
-    assert len(kernel) == 6 and len(scoring) == 1, report
+    assert len(kernel) == 6 and len(v2) == 2 and len(scoring) == 1, report
     assert all(r["torch_path_ms"] > 0 and r["kernel_ms"] > 0 for r in kernel)
-    assert scoring[0]["fix_vs_copy"]["differing"] == 0 and scoring[0]["kernel_trusted"] is None
+    for record in v2:
+        assert record["kernel_vs_v2"]["differing"] == record["kernel_vs_v2_likeliest"]["differing"] == 0, record
+        assert record["kernel_vs_v2"]["positions"] > 0 and record["kernel_ms"] > 0, record
+    for runner in ("v1", "v2"):
+        assert scoring[0][runner]["fix_vs_copy"]["differing"] == 0 and scoring[0][runner]["kernel_trusted"] is None
 
 
 def test_weight_push_script_dry_run(tmp_path: Path) -> None:

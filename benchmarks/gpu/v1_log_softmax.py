@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -149,6 +150,125 @@ def record(
     return result
 
 
+V2_FUNCTIONS = {  # what the V2 record runs of vLLM's sampling modules (vllm/v1/worker/gpu/sample/)
+    "gumbel": ("_temperature_kernel", "apply_temperature"),
+    "logprob": ("_MAX_TOPK_BLOCK", "_topk_log_softmax_kernel", "compute_token_logprobs"),
+}
+
+
+def v2_modules(source: str | None) -> dict[str, Any] | None:
+    """vLLM V2's temperature and log-prob kernels, compiled: from vLLM where it imports with Triton, else from copies
+    of its two files in ``source`` (the GPU machine has no vLLM): the functions named in ``V2_FUNCTIONS``, taken out
+    of each file whole (``ast``), with the real triton."""
+    import ast
+    import tempfile
+    import types
+
+    try:
+        from vllm.triton_utils import HAS_TRITON
+
+        if HAS_TRITON:
+            return {name: importlib.import_module(f"vllm.v1.worker.gpu.sample.{name}") for name in V2_FUNCTIONS}
+    except ImportError:
+        pass
+    if source is None:
+        return None
+    modules: dict[str, Any] = {}
+    for name, wanted in V2_FUNCTIONS.items():
+        text = (Path(source) / f"{name}.py").read_text()
+        tree = ast.parse(text)
+        nodes = [
+            node
+            for node in tree.body
+            if getattr(node, "name", None) in wanted
+            or (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in wanted)
+        ]
+        if len(nodes) != len(wanted):
+            raise RuntimeError(f"{name}.py: found {len(nodes)} of {wanted}")
+        parts = [
+            "".join(f"@{ast.get_source_segment(text, d)}\n" for d in getattr(node, "decorator_list", []))
+            + str(ast.get_source_segment(text, node))
+            for node in nodes
+        ]
+        body = "\n\n".join(parts)
+        path = Path(tempfile.mkdtemp()) / f"vllm_v2_{name}.py"
+        path.write_text(f"import torch\nimport triton\nimport triton.language as tl\n\n{body}\n")
+        spec = importlib.util.spec_from_file_location(f"vllm_v2_{name}", path)
+        assert spec is not None and spec.loader is not None
+        module = types.ModuleType(spec.name)
+        module.__file__ = str(path)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        modules[name] = module
+    return modules
+
+
+def v2_functions(source: str | None, device: torch.device) -> SimpleNamespace | None:
+    """The V2 record's three functions: ``read`` (the fix's kernel on bf16 logits), ``engine`` (what V2 reports: a
+    float32 copy, its temperature kernel, ``compute_token_logprobs``), ``own`` (V2's kernel handed bf16 logits).
+    Compiled on a GPU (the fix's copy path, ``engine_steps.copied_log_probs``, running vLLM's kernels); interpreted
+    on the CPU (the dry run)."""
+    from trl_vlm_fixes.patches.sampling_parity import engine_steps, kernel_copy, v2_log_softmax
+    from trl_vlm_fixes.patches.sampling_parity.distribution import V2_RUNNER
+
+    if device.type != "cuda":
+        from trl_vlm_fixes.selftest import v2_kernels
+
+        engine = v2_kernels.Engine(device)
+
+        def interpreted_own(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            with kernel_copy.interpreting():
+                return engine.kernels.compute_token_logprobs(logits, ids.unsqueeze(1)).squeeze(1)
+
+        return SimpleNamespace(
+            read=v2_kernels.interpreted_reader(),
+            engine=lambda logits, ids, t: engine.logprobs(engine.temperature(logits, t), ids.unsqueeze(1)),
+            own=interpreted_own,
+        )
+    modules = v2_modules(source)
+    if modules is None:
+        return None
+    engine_steps._v2_module = lambda name: modules.get(name)  # vLLM's kernels where the fix looks for them
+    kernel = modules["logprob"].compute_token_logprobs
+    return SimpleNamespace(
+        read=v2_log_softmax.kernel_log_probs,
+        engine=lambda logits, ids, t: engine_steps.copied_log_probs(logits, ids, t, V2_RUNNER),
+        own=lambda logits, ids: kernel(logits, ids.unsqueeze(1)).squeeze(1),
+    )
+
+
+def v2_record(
+    v2: SimpleNamespace, positions: int, vocabulary: int, temperature: float, device: torch.device
+) -> dict[str, Any]:
+    """V2's read: the fix's copy path (a chunk at a time, as ``Positions.plain_log_probs``) against the fix's kernel
+    on the bf16 logits, and against V2's own kernel handed the bf16 logits (Triton loads them in another layout: is
+    its order another?)."""
+    logits = logits_of(positions, vocabulary, "peaked", device, seed=vocabulary % 1000 + 11)
+    ids = sampled(logits, temperature, seed=8)
+    step = max(1, CHUNK_ELEMENTS // (2 * vocabulary))
+
+    def copy_path(chosen: torch.Tensor) -> torch.Tensor:
+        pairs = zip(logits.split(step), chosen.split(step), strict=True)
+        return torch.cat([v2.engine(part, token, temperature) for part, token in pairs])
+
+    reference, copy_ms = timed_ms(lambda: copy_path(ids), device)
+    fast, kernel_ms = timed_ms(lambda: v2.read(logits, ids, temperature), device)
+    likeliest = logits.argmax(dim=-1)  # a log-prob near 0, where float32 resolves the row sum's last bits
+    likeliest_reference = copy_path(likeliest)
+    result: dict[str, Any] = {
+        "section": "V2",
+        "vocabulary": vocabulary,
+        "temperature": temperature,
+        "kernel_vs_v2": differing(fast, reference),
+        "kernel_vs_v2_likeliest": differing(v2.read(logits, likeliest, temperature), likeliest_reference),
+        "copy_ms": copy_ms,
+        "kernel_ms": kernel_ms,
+    }
+    if temperature == 1.0:  # V2's own kernel on bf16 (no temperature step there): the load's layout alone
+        result["v2_own_kernel_on_bf16_vs_v2_likeliest"] = differing(v2.own(logits, likeliest), likeliest_reference)
+    return result
+
+
 def trl_selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """TRL 1.9.1's ``selective_log_softmax`` on bf16 logits (its non-float32 branch: a log-softmax per row), used
     where TRL is not installed (the dry run checks it against TRL's own)."""
@@ -159,7 +279,7 @@ def trl_selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torc
 
 
 def scoring_record(
-    vocabulary: int, rows: int, completion: int, hidden: int, layers: int, device: torch.device
+    vocabulary: int, rows: int, completion: int, hidden: int, layers: int, device: torch.device, runners: list[str]
 ) -> dict[str, Any]:
     """The fix's plain log-prob (``Positions.plain_log_probs``, TRL 1.9.1's logits read, temperature 1, V1) beside
     the no-gradient scoring pass it joins (a random Qwen3.5 text stack, bf16: its forward and TRL's
@@ -171,7 +291,6 @@ def scoring_record(
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from trl_vlm_fixes.patches.sampling_parity import engine_steps, processed
-    from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER
     from trl_vlm_fixes.selftest.tiny_model import qwen35_layer_stack
 
     try:
@@ -208,26 +327,30 @@ def scoring_record(
     (logits, _), pass_ms = timed_ms(scoring_pass, device)
     positions = processed.Positions(torch.zeros(rows, completion, 1, device=device), None, logits, [completion] * rows)
     flat_ids = completion_ids.reshape(-1)
-    key = (logits.device, vocabulary, False)
-    engine_steps._v1_verdicts.pop(key, None)
-    fast, fast_ms = timed_ms(lambda: positions.plain_log_probs(1.0, flat_ids, V1_RUNNER), device)
-    trusted = engine_steps._v1_verdicts.get(key)
-    engine_steps._v1_verdicts[key] = False  # the float32 copy, as without the kernel
-    copied, copied_ms = timed_ms(lambda: positions.plain_log_probs(1.0, flat_ids, V1_RUNNER), device)
-    engine_steps._v1_verdicts.pop(key, None)
-    return {
+    result: dict[str, Any] = {
         "section": "scoring pass",
         "vocabulary": vocabulary,
         "positions": f"{rows} x {completion}",
         "model": f"hidden {hidden}, {layers} layers",
-        "kernel_trusted": trusted,
-        "fix_vs_copy": differing(fast, copied),
         "scoring_pass_ms": pass_ms,
-        "fix_ms": fast_ms,
-        "copy_ms": copied_ms,
-        "fix_share": fast_ms / pass_ms,
-        "copy_share": copied_ms / pass_ms,
     }
+    for runner in runners:
+        key = (runner, logits.device, vocabulary, False)
+        engine_steps._verdicts.pop(key, None)
+        fast, fast_ms = timed_ms(lambda runner=runner: positions.plain_log_probs(1.0, flat_ids, runner), device)
+        trusted = engine_steps._verdicts.get(key)
+        engine_steps._verdicts[key] = False  # the float32 copy, as without the kernel
+        copied, copied_ms = timed_ms(lambda runner=runner: positions.plain_log_probs(1.0, flat_ids, runner), device)
+        engine_steps._verdicts.pop(key, None)
+        result[runner] = {
+            "kernel_trusted": trusted,
+            "fix_vs_copy": differing(fast, copied),
+            "fix_ms": fast_ms,
+            "copy_ms": copied_ms,
+            "fix_share": fast_ms / pass_ms,
+            "copy_share": copied_ms / pass_ms,
+        }
+    return result
 
 
 def main() -> None:
@@ -241,11 +364,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--out", default="v1_log_softmax.json")
+    parser.add_argument(
+        "--v2-source", default=str(ROOT / ".gpu" / "vllm_v2"), help="copies of V2's gumbel.py and logprob.py (no vLLM)"
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.dry_run else "cuda")
     module = load_module()
+    sys.path.insert(0, str(ROOT))
+    from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER
+
     if args.dry_run:
-        sys.path.insert(0, str(ROOT))
         from trl_vlm_fixes.selftest import interpreted_v1
 
         kernel, emulated = interpreted_v1.kernel_log_probs, interpreted_v1.emulated_log_probs
@@ -281,10 +409,22 @@ def main() -> None:
     kernel_records(["peaked"])  # the most telling first: the device may be taken back
     if args.dry_run:
         check_trl_function(device)
+    v2 = v2_functions(args.v2_source, device)
+    report["v2"] = "vLLM's kernels" if v2 is not None else f"not run: no vLLM and no copies in {args.v2_source}"
+    for vocabulary in vocabularies if v2 is not None else []:
+        for temperature in temperatures:
+            try:
+                save(v2_record(v2, positions, vocabulary, temperature, device))
+            except Exception as error:  # noqa: BLE001 - recorded; the other records still run
+                save({"section": "V2", "vocabulary": vocabulary, "error": repr(error)[:500]})
+    runners = [V1_RUNNER] + ([V2_RUNNER] if v2 is not None else [])
     for completion in (int(c) for c in args.scoring.split(",") if c):
         for vocabulary in vocabularies:
             shape = (2, 8, 64, 4) if args.dry_run else (args.rows, completion, args.hidden, args.layers)
-            save(scoring_record(vocabulary, *shape, device))
+            try:
+                save(scoring_record(vocabulary, *shape, device, runners))
+            except Exception as error:  # noqa: BLE001 - recorded; the other records still run
+                save({"section": "scoring pass", "vocabulary": vocabulary, "error": repr(error)[:500]})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     kernel_records([spread for spread in SPREADS if spread != "peaked"])

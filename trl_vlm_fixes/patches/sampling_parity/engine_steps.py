@@ -38,7 +38,7 @@ import torch
 
 from ...log_once import warn_once
 from ...logs import fix_logger
-from . import v1_log_softmax
+from . import v1_log_softmax, v2_log_softmax
 from .distribution import V1_RUNNER, V2_RUNNER
 
 V2_SAMPLE = "vllm.v1.worker.gpu.sample"
@@ -140,15 +140,17 @@ def read_by_kernel(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str, rows: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """``copied_log_probs`` of the positions ``rows`` (flat indices over ``logits``' leading dimensions; all where
-    None), read from ``logits`` [..., vocabulary] themselves by ``v1_log_softmax``'s kernel where the engine runs V1,
-    the logits are on CUDA and the kernel gave torch's bits there (``_v1_kernel_trusted``); else None (the caller
-    copies)."""
-    if runner != V1_RUNNER or logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
+    None), read from ``logits`` [..., vocabulary] themselves by the runner's kernel (``v1_log_softmax``: torch's
+    order; ``v2_log_softmax``: V2's own kernel reading bf16) where the logits are on CUDA, V2's kernels run there
+    (for V2) and the kernel gave the engine's bits there (``_kernel_trusted``); else None (the caller copies)."""
+    if logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
         return None  # (ROCm's torch reports "cuda" devices and sums in its own order)
-    if not _v1_kernel_trusted(logits, ids, temperature, rows):
+    if runner == V2_RUNNER and not uses_v2_kernel(runner, logits.device):
+        return None  # the copy runs torch's log_softmax: not what the V2 kernel computes
+    if not _kernel_trusted(logits, ids, temperature, runner, rows):
         return None
     with _current(logits.device):
-        return v1_log_softmax.kernel_log_probs(logits, ids, temperature, rows)
+        return READERS[runner].kernel_log_probs(logits, ids, temperature, rows)
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -165,27 +167,31 @@ def _positions(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return logits[torch.unravel_index(index, leading)]
 
 
-_v1_verdicts: dict[tuple[torch.device, int, bool], bool] = {}
+READERS = {V1_RUNNER: v1_log_softmax, V2_RUNNER: v2_log_softmax}  # each runner's kernel reading bf16 logits
+ENGINE_FUNCTIONS = {V1_RUNNER: "torch's log_softmax", V2_RUNNER: "V2's log-softmax kernel"}
+_verdicts: dict[tuple[str, torch.device, int, bool], bool] = {}
 
 
-def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None) -> bool:
-    """The kernel gave torch's own bits on this device, vocabulary and kind of temperature (1, or a division): decided
-    on ``CHECK_POSITIONS`` positions spread over the first call with that many and finite values (on TRL 1.16's
-    fused head, its first chunk of projected positions), each at its likeliest token and at its own (one read back
-    to the host, once); where it did not, or could not run, torch's function runs from then on and one WARNING says
-    why."""
+def _kernel_trusted(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str, rows: torch.Tensor | None
+) -> bool:
+    """The runner's kernel gave the engine's own bits on this device, vocabulary and kind of temperature (1, or a
+    division): decided on ``CHECK_POSITIONS`` positions spread over the first call with that many and finite values
+    (on TRL 1.16's fused head, its first chunk of projected positions), each at its likeliest token and at its own
+    (one read back to the host, once); where it did not, or could not run, the float32 copy runs from then on and one
+    WARNING says why."""
     vocabulary = logits.size(-1)
-    key = (logits.device, vocabulary, temperature != 1.0)
-    if key in _v1_verdicts:
-        return _v1_verdicts[key]
-    why = v1_log_softmax.kernel_fits(vocabulary) or ("" if logits.stride(-1) == 1 else "the logits are not packed")
+    key = (runner, logits.device, vocabulary, temperature != 1.0)
+    if key in _verdicts:
+        return _verdicts[key]
+    why = READERS[runner].kernel_fits(vocabulary) or _unreadable(logits, runner)
     if why:
-        _v1_verdicts[key] = False
+        _verdicts[key] = False
         _say_not_trusted(key, why)
         return False
     count = logits.numel() // vocabulary if rows is None else rows.numel()
     if count < CHECK_POSITIONS:
-        return False  # too few positions to judge: torch's function this time
+        return False  # too few positions to judge: the copy this time
     # positions spread over the call; each one's likeliest token, whose log-prob (near 0) keeps the row sum's last
     # bits (a drawn token's, some nats down, rounds most of them away)
     spread = torch.linspace(0, count - 1, CHECK_POSITIONS, device=logits.device).long()
@@ -197,12 +203,12 @@ def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
     checked = checked.repeat(2, 1)
     try:
         with _current(logits.device):
-            fast = v1_log_softmax.kernel_log_probs(logits, chosen, temperature, head)
-    except Exception as error:  # noqa: BLE001 - a Triton or driver that cannot build it: torch's function, said once
-        _v1_verdicts[key] = False
+            fast = READERS[runner].kernel_log_probs(logits, chosen, temperature, head)
+    except Exception as error:  # noqa: BLE001 - a Triton or driver that cannot build it: the copy, said once
+        _verdicts[key] = False
         _say_not_trusted(key, f"the kernel could not run ({type(error).__name__}: {error})")
         return False
-    reference = copied_log_probs(checked, chosen, temperature, V1_RUNNER)
+    reference = copied_log_probs(checked, chosen, temperature, runner)
     # bit patterns; and a check over non-finite values (a NaN row is NaN on both sides) proves nothing: no verdict
     differing, finite = (
         int(value)
@@ -211,30 +217,49 @@ def _v1_kernel_trusted(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
         ).tolist()
     )  # the one read back to the host
     if finite < reference.numel() and not differing:
-        return False  # torch's function this time; the next call with finite values decides
-    _v1_verdicts[key] = differing == 0
+        return False  # the copy this time; the next call with finite values decides
+    _verdicts[key] = differing == 0
     if differing:
-        _say_not_trusted(key, f"it differs from torch's log_softmax in {differing} of {reference.numel()} log-probs")
+        _say_not_trusted(
+            key, f"it differs from {ENGINE_FUNCTIONS[runner]} in {differing} of {reference.numel()} log-probs"
+        )
     else:
         warn_once(
-            ("sampling_parity", "v1 kernel", key),
-            "V1's log-prob is read from the model's logits by the fix's kernel (torch's summation order; at %d "
-            "positions its log-probs of the likeliest and the sampled token had torch's own bits, %d tokens, %s): "
-            "no float32 copy",
+            ("sampling_parity", "kernel", key),
+            "%s's log-prob is read from the model's logits by the fix's kernel (at %d positions its log-probs of the "
+            "likeliest and the sampled token had %s's own bits, %d tokens, %s): no float32 copy",
+            runner,
             CHECK_POSITIONS,
+            ENGINE_FUNCTIONS[runner],
             vocabulary,
             logits.device,
             logger=LOGGER,
             level=logging.INFO,
         )
-    return _v1_verdicts[key]
+    return _verdicts[key]
 
 
-def _say_not_trusted(key: tuple[torch.device, int, bool], why: str) -> None:
+def _unreadable(logits: torch.Tensor, runner: str) -> str:
+    """Why the runner's kernel cannot read ``logits`` in place ("" where it can): packed rows; for V2's, each
+    position's logits 16-byte aligned (the float32 copy's layout needs it)."""
+    if logits.stride(-1) != 1:
+        return "the logits are not packed"
+    strides = logits.stride()[:-1]
+    if runner == V2_RUNNER and (
+        any(stride % v2_log_softmax.PER_THREAD for stride in strides) or logits.data_ptr() % 16
+    ):
+        return "the positions' logits do not start 16-byte aligned"
+    return ""
+
+
+def _say_not_trusted(key: tuple[str, torch.device, int, bool], why: str) -> None:
     warn_once(
-        ("sampling_parity", "v1 kernel", key),
-        "V1's log-prob is computed with torch's log_softmax on a float32 copy of the logits (exact; about 22 bytes "
-        "moved per logit instead of 4): the fix's kernel was not used because %s",
+        ("sampling_parity", "kernel", key),
+        "%s's log-prob is computed with %s on a float32 copy of the logits (exact; about %s bytes moved per logit "
+        "instead of 4): the fix's kernel was not used because %s",
+        key[0],
+        ENGINE_FUNCTIONS[key[0]],
+        "22" if key[0] == V1_RUNNER else "14 to 22",
         why,
         logger=LOGGER,
     )

@@ -138,7 +138,7 @@ def kernel_log_probs(
         raise ValueError(why)
     if logits.stride(-1) != 1:
         raise ValueError("the kernel reads each position's logits packed (stride 1 along the vocabulary)")
-    offsets = _offsets(logits)
+    offsets = position_offsets(logits)
     if rows is not None:
         offsets = offsets[rows]
     out = torch.empty(offsets.numel(), dtype=torch.float32, device=logits.device)
@@ -163,7 +163,7 @@ def kernel_log_probs(
     return out
 
 
-def _offsets(logits: torch.Tensor) -> torch.Tensor:
+def position_offsets(logits: torch.Tensor) -> torch.Tensor:
     """[positions] int64: each position's first element, over ``logits``' leading dimensions (flattened)."""
     offsets = torch.zeros((), dtype=torch.int64, device=logits.device)
     for size, stride in zip(logits.shape[:-1], logits.stride()[:-1], strict=True):
