@@ -204,8 +204,9 @@ def v2_modules(source: str | None) -> dict[str, Any] | None:
 
 
 def v2_functions(source: str | None, device: torch.device) -> SimpleNamespace | None:
-    """The V2 record's three functions: ``read`` (the fix's kernel on bf16 logits), ``engine`` (what V2 reports: a
-    float32 copy, its temperature kernel, ``compute_token_logprobs``), ``own`` (V2's kernel handed bf16 logits).
+    """The V2 record's functions: ``read`` (the fix's kernel on bf16 logits), ``engine`` (what V2 reports: a float32
+    copy, its temperature kernel, ``compute_token_logprobs``), ``own`` (V2's kernel handed bf16 logits), ``gate`` (the
+    fix's decision, ``engine_steps.read_by_kernel``: on a GPU only).
     Compiled on a GPU (the fix's copy path, ``engine_steps.copied_log_probs``, running vLLM's kernels); interpreted
     on the CPU (the dry run)."""
     from trl_vlm_fixes.patches.sampling_parity import engine_steps, kernel_copy, v2_log_softmax
@@ -221,6 +222,7 @@ def v2_functions(source: str | None, device: torch.device) -> SimpleNamespace | 
                 return engine.kernels.compute_token_logprobs(logits, ids.unsqueeze(1)).squeeze(1)
 
         return SimpleNamespace(
+            gate=None,
             read=v2_kernels.interpreted_reader(),
             engine=lambda logits, ids, t: engine.logprobs(engine.temperature(logits, t), ids.unsqueeze(1)),
             own=interpreted_own,
@@ -231,6 +233,7 @@ def v2_functions(source: str | None, device: torch.device) -> SimpleNamespace | 
     engine_steps._v2_module = lambda name: modules.get(name)  # vLLM's kernels where the fix looks for them
     kernel = modules["logprob"].compute_token_logprobs
     return SimpleNamespace(
+        gate=lambda logits, ids, t: engine_steps.read_by_kernel(logits, ids, t, V2_RUNNER),
         read=v2_log_softmax.kernel_log_probs,
         engine=lambda logits, ids, t: engine_steps.copied_log_probs(logits, ids, t, V2_RUNNER),
         own=lambda logits, ids: kernel(logits, ids.unsqueeze(1)).squeeze(1),
@@ -264,6 +267,11 @@ def v2_record(
         "copy_ms": copy_ms,
         "kernel_ms": kernel_ms,
     }
+    if v2.gate is not None:  # the fix's own decision at this temperature (a fresh check), and what it then reads
+        gated = v2.gate(logits, ids, temperature)
+        result["gate_trusted"] = gated is not None
+        if gated is not None:
+            result["gated_vs_v2"] = differing(gated, reference)
     if temperature == 1.0:  # V2's own kernel on bf16 (no temperature step there): the load's layout alone
         result["v2_own_kernel_on_bf16_vs_v2_likeliest"] = differing(v2.own(logits, likeliest), likeliest_reference)
     return result
