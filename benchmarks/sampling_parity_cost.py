@@ -151,8 +151,8 @@ def main() -> None:
     from trl_vlm_fixes.patches.sampling_parity import engine_steps
 
     verdicts = {
-        f"{runner} {device} V={vocabulary} scaled={scaled}": trusted
-        for (runner, device, vocabulary, scaled), trusted in engine_steps._verdicts.items()
+        f"{runner} {device} {dtype} V={vocabulary} scaled={scaled}": trusted
+        for (runner, device, dtype, vocabulary, scaled), trusted in engine_steps._verdicts.items()
     }
     print(f"kernel used (it gave the engine's bits on its check): {verdicts or 'never checked (not CUDA)'}")
 

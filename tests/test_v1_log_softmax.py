@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from trl_vlm_fixes.log_once import forget
-from trl_vlm_fixes.patches.sampling_parity import engine_steps, v1_log_softmax
+from trl_vlm_fixes.patches.sampling_parity import engine_steps, v1_log_softmax, v2_log_softmax
 from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER
 from trl_vlm_fixes.patches.sampling_parity.processed import OutputLayer, Positions
 from trl_vlm_fixes.selftest import interpreted_v1
@@ -140,7 +140,7 @@ def test_kernel_trusted_where_it_gives_torchs_bits(
         read = engine_steps.read_by_kernel(logits, ids, 0.7, V1_RUNNER)
     assert read is not None and torch.equal(read, interpreted_v1.emulated_log_probs(logits, ids, 0.7))
     assert kernel_on_cpu == [2 * engine_steps.CHECK_POSITIONS, 70]
-    assert any("had torch's log_softmax's own bits" in r.getMessage() for r in caplog.records)
+    assert any("had the bits of torch's log_softmax" in r.getMessage() for r in caplog.records)
 
 
 def _tail_first(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -185,7 +185,7 @@ def test_the_check_sees_a_near_miss_in_the_row_sum(monkeypatch: pytest.MonkeyPat
     at_likeliest = _tail_first(logits, likeliest, 1.0) != interpreted_v1.emulated_log_probs(logits, likeliest, 1.0)
     assert int(at_likeliest.sum()) >= max(at_drawn, 1)
     assert engine_steps.read_by_kernel(logits, drawn, 1.0, V1_RUNNER) is None
-    assert engine_steps._verdicts == {(V1_RUNNER, logits.device, VOCABULARY, False): False}
+    assert engine_steps._verdicts == {(V1_RUNNER, logits.device, logits.dtype, VOCABULARY, False): False}
 
 
 def test_too_few_positions_wait_and_a_failing_build_steps_aside(
@@ -223,15 +223,23 @@ def test_a_check_over_non_finite_values_decides_nothing(
     assert kernel_on_cpu == [2 * engine_steps.CHECK_POSITIONS] and engine_steps._verdicts == {}
     logits[0, 5] = 0.0
     assert engine_steps.read_by_kernel(logits, ids, 1.0, V1_RUNNER) is not None
-    assert engine_steps._verdicts == {(V1_RUNNER, logits.device, VOCABULARY, False): True}
+    assert engine_steps._verdicts == {(V1_RUNNER, logits.device, logits.dtype, VOCABULARY, False): True}
 
 
-def test_v2_runner_never_reads_by_kernel(kernel_on_cpu: list[int]) -> None:
-    """V2 reports its own Triton log-softmax: the V1 kernel (torch's order) is not V2's arithmetic and is never called
-    there (V2's reader is ``v2_log_softmax``, tests/test_v2_log_softmax.py)."""
+def test_v2_runner_never_reads_by_kernel(kernel_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """V2 reports its own Triton log-softmax: where the engine runs V2 (its kernels available) the V1 kernel (torch's
+    order) is never called; V2's reader is asked instead (``v2_log_softmax``, tests/test_v2_log_softmax.py)."""
+    asked: list[int] = []
+
+    def v2_reader(logits, ids, temperature, rows=None):  # type: ignore[no-untyped-def]
+        asked.append(ids.numel())
+        raise RuntimeError("not V2's kernel here")
+
+    monkeypatch.setattr(engine_steps, "uses_v2_kernel", lambda runner, device: runner == V2_RUNNER)
+    monkeypatch.setattr(v2_log_softmax, "kernel_log_probs", v2_reader)
     logits, ids = _logits(80, VOCABULARY, seed=14), _ids(80, VOCABULARY, seed=15)
     assert engine_steps.read_by_kernel(logits, ids, 1.0, V2_RUNNER) is None
-    assert kernel_on_cpu == []
+    assert kernel_on_cpu == [] and asked == [2 * engine_steps.CHECK_POSITIONS]
 
 
 @pytest.mark.parametrize("trusted", [True, False])
@@ -247,7 +255,7 @@ def test_positions_read_trl_logits_by_kernel_up_to_each_length(
     ids = _ids(rows * width, VOCABULARY, seed=17)
     lengths = [40, 25, 31]
     positions = Positions(torch.zeros(rows, width, 4), None, view, lengths)
-    engine_steps._verdicts[(V1_RUNNER, view.device, VOCABULARY, True)] = trusted
+    engine_steps._verdicts[(V1_RUNNER, view.device, view.dtype, VOCABULARY, True)] = trusted
     plain = positions.plain_log_probs(0.7, ids, V1_RUNNER)
     scored = positions.scored(ids.device)
     assert int(scored.sum()) == sum(lengths) and plain[~scored].isnan().all() and not plain[scored].isnan().any()
@@ -316,7 +324,7 @@ def test_projected_positions_read_by_kernel(kernel_on_cpu: list[int]) -> None:
     layer.products = lambda states, dtype=None: projected.append(states.size(0)) or products(states, dtype)  # type: ignore[method-assign]
     positions = Positions(hidden, layer, lengths=[12, 5], dtype=torch.bfloat16)
     ids = _ids(24, VOCABULARY, seed=21)
-    engine_steps._verdicts[(V1_RUNNER, hidden.device, VOCABULARY, False)] = True
+    engine_steps._verdicts[(V1_RUNNER, hidden.device, hidden.dtype, VOCABULARY, False)] = True
     plain = positions.plain_log_probs(1.0, ids, V1_RUNNER)
     scored = positions.scored(ids.device)
     assert projected == [17] and kernel_on_cpu == [17] and int(scored.sum()) == 17

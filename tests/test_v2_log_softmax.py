@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from trl_vlm_fixes.patches.sampling_parity import engine_steps, processed, v2_log_softmax
-from trl_vlm_fixes.patches.sampling_parity.distribution import V1_RUNNER, V2_RUNNER
+from trl_vlm_fixes.patches.sampling_parity import engine_steps, processed, v1_log_softmax, v2_log_softmax
+from trl_vlm_fixes.patches.sampling_parity.distribution import V2_RUNNER
 from trl_vlm_fixes.selftest import v2_kernels
 
 VOCABULARY = 4144  # 16 x 259: four whole blocks of 1,024 and a masked tail of 48
@@ -97,18 +97,25 @@ def test_kernel_refuses_what_would_change_its_layout() -> None:
     assert "16-aligned" in (v2_log_softmax.kernel_fits(VOCABULARY + 4) or "")
     assert v2_log_softmax.kernel_fits(151_936) is None and v2_log_softmax.kernel_fits(248_320) is None
     shifted = _logits(2, seed=5, vocabulary=VOCABULARY + 2)[:, 2:]  # rows VOCABULARY + 2 apart
-    with pytest.raises(ValueError, match="16-byte aligned"):
+    with pytest.raises(ValueError, match="multiples of 4 logits"):
         v2_log_softmax.kernel_log_probs(shifted, torch.zeros(2, dtype=torch.int64), 1.0)
 
 
 _LAYOUTS = """
-import json, re, sys, tempfile, importlib.util
+import json, re, subprocess, tempfile, importlib.util
 from pathlib import Path
-from triton import compile
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from trl_vlm_fixes.patches.sampling_parity import v2_log_softmax
 from trl_vlm_fixes.selftest import v2_kernels
+
+TYPES = {"temperature": "fp32", "topk": "i32", "vocab_size": "i32", "logits_stride": "i64", "topk_ids_stride": "i64",
+         "expanded_idx_mapping_ptr": "*i32", "temperature_ptr": "*fp32", "topk_ids_ptr": "*i64",
+         "offsets_ptr": "*i64", "ids_ptr": "*i64", "output_ptr": "*fp32", "out_ptr": "*fp32"}
+# the JIT marks pointers and integers divisible by 16 as such (vLLM's tensors, a 151,936- or 248,320-token row)
+ALIGNED = {"logits_ptr", "output_ptr", "out_ptr", "topk_ids_ptr", "offsets_ptr", "ids_ptr", "temperature_ptr",
+           "expanded_idx_mapping_ptr", "logits_stride", "vocab_size"}
 
 def vllm_module(name):  # V2's source with the real triton (not interpreted: compiled)
     spec = importlib.util.find_spec(f"{v2_kernels.V2_SAMPLE}.{name}")
@@ -120,82 +127,74 @@ def vllm_module(name):  # V2's source with the real triton (not interpreted: com
     loaded.loader.exec_module(module)
     return module
 
-def compiled(fn, signature, constants, aligned):
-    # the JIT marks pointers and integers divisible by 16 as such (vLLM's tensors and a 248,320-token row are)
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
+def compiled(fn, logits_dtype, constants, **options):  # the signature from the kernel's own parameters
+    names = fn.arg_names
+    signature = {name: "constexpr" if name in constants else TYPES.get(name, "*" + logits_dtype) for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in ALIGNED}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm
 
-def layouts(asm):  # each float32 block tensor's layout, its alias resolved
-    defs = dict(re.findall(r"^(#\\w+) = (#ttg\\.\\w+<.*>)$", asm["ttgir"], re.M))
-    found = re.findall(r"tensor<1024xf32, (#\\w+)>", asm["ttgir"])
-    return sorted({defs[alias] for alias in found})
+def summed(asm):  # each sum's input: the layout of what reshape(allow_reorder) took, then the reduced layout
+    ttgir = asm["ttgir"]
+    defs = dict(re.findall(r"^(#\\w+) = (#ttg\\.\\w+<.*>)$", ttgir, re.M))
+    block = r"tensor<1024xf32, (#\\w+)>"
+    pairs = re.findall(r"tt\\.reshape %\\S+ allow_reorder : " + block + " -> " + block, ttgir)
+    reduced = re.findall(r"\\}\\) : \\(tensor<1024xf32, (#\\w+)>\\) -> f32", ttgir)
+    return {"reshaped": [[defs[a], defs[b]] for a, b in pairs], "reduced": [defs[c] for c in reduced]}
 
 def divisions(asm):
     return sorted(set(re.findall(r"\\bdiv\\.[a-z.]*f32", asm["ptx"])))
 
 def fused(asm):  # FFMA instructions in the machine code: a product and a sum rounded once
-    import subprocess, triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     cubin = Path(tempfile.mkdtemp()) / "kernel.cubin"
     cubin.write_bytes(asm["cubin"])
-    return len(re.findall(r"\\bFFMA\\b", subprocess.run([str(tool), "-c", str(cubin)], capture_output=True,
-                                                       text=True, check=True).stdout))
+    listing = subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"\\bFFMA\\b", listing))
 
 logprob, gumbel = vllm_module("logprob"), vllm_module("gumbel")
 report = {}
 for dtype in ("fp32", "bf16"):
-    names = ("output_ptr", "logits_ptr", "logits_stride", "topk_ids_ptr", "topk", "vocab_size")
-    signature = dict(zip(names, ("*fp32", "*" + dtype, "i64", "*i64", "i32", "i32")))
-    signature.update(BLOCK_SIZE="constexpr", TOPK_BLOCK_SIZE="constexpr")
-    asm = compiled(logprob._topk_log_softmax_kernel, signature, {"BLOCK_SIZE": 1024, "TOPK_BLOCK_SIZE": 1},
-                   (0, 1, 2, 3, 5))
-    report[f"vllm_{dtype}"] = layouts(asm)
-    report[f"vllm_{dtype}_fused"] = fused(asm)
-names = ("logits_ptr", "logits_stride", "expanded_idx_mapping_ptr", "temperature_ptr", "vocab_size")
-signature = dict(zip(names, ("*fp32", "i64", "*i32", "*fp32", "i32")), BLOCK_SIZE="constexpr")
-asm = compiled(gumbel._temperature_kernel, signature, {"BLOCK_SIZE": 8192}, (0, 1, 2, 3, 4))
+    asm = compiled(logprob._topk_log_softmax_kernel, dtype, {"BLOCK_SIZE": 1024, "TOPK_BLOCK_SIZE": 1})
+    report[f"vllm_{dtype}"], report[f"vllm_{dtype}_fused"] = summed(asm), fused(asm)
+asm = compiled(gumbel._temperature_kernel, "fp32", {"BLOCK_SIZE": 8192})
 report["vllm_temperature_divisions"], report["vllm_temperature_fused"] = divisions(asm), fused(asm)
-names = ("out_ptr", "logits_ptr", "offsets_ptr", "ids_ptr", "temperature", "vocab_size")
-signature = dict(zip(names, ("*fp32", "*bf16", "*i64", "*i64", "fp32", "i32")))
-signature.update(SCALE="constexpr", BLOCK_SIZE="constexpr", PER_THREAD="constexpr")
 for scale in (False, True):
     constants = {"SCALE": scale, "BLOCK_SIZE": 1024, "PER_THREAD": v2_log_softmax.PER_THREAD}
-    asm = compiled(v2_log_softmax._v2_log_prob_kernel, signature, constants, (0, 1, 2, 3, 5))
-    report[f"fix_scale_{scale}"] = layouts(asm)
-    report[f"fix_scale_{scale}_divisions"] = divisions(asm)
-    report[f"fix_scale_{scale}_fused"] = fused(asm)
+    asm = compiled(v2_log_softmax._v2_log_prob_kernel, "bf16", constants, enable_fp_fusion=False)
+    report[f"fix_scale_{scale}"] = summed(asm)
+    report[f"fix_scale_{scale}_divisions"], report[f"fix_scale_{scale}_fused"] = divisions(asm), fused(asm)
+asm = compiled(v2_log_softmax._v2_log_prob_kernel, "bf16", constants, enable_fp_fusion=True)
+report["fix_fusing_fused"] = fused(asm)  # the first version: compiled with fusion
 print(json.dumps(report))
 """
 
 
 def test_kernel_takes_v2s_float32_layout_for_hopper() -> None:
     """``tl.sum``'s order is its tensor's layout (which logits each thread holds), and Triton picks the layout from the
-    load: compiled for an H100 (sm_90; no GPU needed), V2's own kernel gives its float32 blocks one layout, and on
-    bf16 logits another (the bug a plain bf16 read would have: another summation order); the fix's kernel on bf16
-    logits gives them V2's float32 layout, with or without a temperature, whose division is the instruction V2's
-    temperature kernel divides with, each quotient rounded before the max is subtracted (the machine code's fused
-    multiply-adds are V2's kernels', no more). In a fresh process (a process that ran Triton's interpreter cannot
-    compile)."""
+    load: compiled for an H100 (sm_90; no GPU needed) with the kernels' own parameters, V2's own kernel sums float32
+    blocks in one layout, and on bf16 logits in another (the bug a plain bf16 read would have: another summation
+    order); the fix's kernel on bf16 logits sums in V2's float32 layout, with or without a temperature, whose
+    division is the instruction V2's temperature kernel divides with, each quotient rounded before the max is
+    subtracted: its machine code has the fused multiply-adds of V2's two kernels, no more (compiled with fusion, as
+    its first version was, it has more: other bits at T = 0.7 on an H200). In a fresh process (a process that ran
+    Triton's interpreter cannot compile)."""
     pytest.importorskip("vllm")
     result = subprocess.run([sys.executable, "-c", _LAYOUTS], capture_output=True, text=True, timeout=300)
     if result.returncode and "ptxas" in result.stderr:
         pytest.skip(f"Triton cannot assemble for CUDA here: {result.stderr[-300:]}")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["vllm_fp32"] != report["vllm_bf16"]  # V2's kernel reading bf16 would sum in another order
-    assert report["fix_scale_False"] == report["vllm_fp32"]
-    assert report["fix_scale_True"] == report["vllm_fp32"]
-    assert (
-        report["vllm_temperature_divisions"]
-        and report["fix_scale_True_divisions"] == (report["vllm_temperature_divisions"])
-    )
+    float32_sums = report["vllm_fp32"]
+    assert len(float32_sums["reshaped"]) == len(float32_sums["reduced"]) == 2, report  # the max and the sum
+    assert report["vllm_bf16"] != float32_sums  # V2's kernel reading bf16 would sum in another order
+    assert report["fix_scale_False"] == report["fix_scale_True"] == float32_sums, report
+    assert report["vllm_temperature_divisions"], report
+    assert report["fix_scale_True_divisions"] == report["vllm_temperature_divisions"]
     assert report["fix_scale_False_divisions"] == []
-    # V2 rounds the quotient when its temperature kernel stores it, then subtracts the max: the fix's kernel has the
-    # fused multiply-adds of V2's two kernels, no more (with a plain subtraction ptxas fused the division's last
-    # multiply into it: 8 more at a temperature; other bits on an H200)
     fused_in_v2 = report["vllm_fp32_fused"] + report["vllm_temperature_fused"]
     assert report["fix_scale_True_fused"] == report["fix_scale_False_fused"] == fused_in_v2, report
+    assert report["fix_fusing_fused"] > fused_in_v2, report
 
 
 @pytest.fixture
@@ -222,25 +221,38 @@ def v2_kernel_on_cpu(
     return calls
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
 def test_v2_positions_read_by_kernel_once_it_gave_v2s_bits(
-    v2_kernel_on_cpu: list[int], engine: v2_kernels.Engine, caplog: pytest.LogCaptureFixture
+    v2_kernel_on_cpu: list[int], engine: v2_kernels.Engine, caplog: pytest.LogCaptureFixture, temperature: float
 ) -> None:
     """Where the engine runs V2, ``Positions.plain_log_probs`` on TRL 1.9.1's strided logits with completion lengths:
     the check reads 64 positions at two tokens each, finds V2's bits, and one launch reads every scored position
-    (none after a completion's end), each V2's own; one INFO line says so."""
+    (none after a completion's end), each V2's own at the temperature; one INFO line says so."""
     full = _logits(4 * 33, seed=6).reshape(4, 33, VOCABULARY)
     view, lengths = full[:, :-1], [32, 20, 32, 9]
-    ids = _drawn(view.reshape(-1, VOCABULARY), 1.0, seed=7)
+    ids = _drawn(view.reshape(-1, VOCABULARY), temperature, seed=7)
     positions = processed.Positions(torch.zeros(4, 32, 1), None, view, lengths)
     with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
-        plain = positions.plain_log_probs(1.0, ids, V2_RUNNER)
+        plain = positions.plain_log_probs(temperature, ids, V2_RUNNER)
     scored = sum(lengths)
     assert v2_kernel_on_cpu == [2 * engine_steps.CHECK_POSITIONS, scored]
     mask = torch.arange(32)[None, :] < torch.tensor(lengths)[:, None]
-    expected = _engine_log_probs(engine, view[mask], ids[mask.reshape(-1)], 1.0)
+    expected = _engine_log_probs(engine, view[mask], ids[mask.reshape(-1)], temperature)
     assert torch.equal(plain.reshape(4, 32)[mask], expected)
-    assert engine_steps._verdicts == {(V2_RUNNER, view.device, VOCABULARY, False): True}
-    assert any("had V2's log-softmax kernel's own bits" in r.getMessage() for r in caplog.records)
+    key = (V2_RUNNER, view.device, view.dtype, VOCABULARY, temperature != 1.0)
+    assert engine_steps._verdicts == {key: True}
+    assert any("had the bits of V2's log-softmax kernel" in r.getMessage() for r in caplog.records)
+
+
+def test_kernel_skips_the_division_where_v2_does(
+    engine: v2_kernels.Engine, reader: Callable[..., torch.Tensor]
+) -> None:
+    """V2's temperature kernel returns early at temperature 0 (and 1): the kernel divides nowhere there either, so a
+    verdict earned at another temperature (the same key: a division) never reads a division by 0."""
+    logits = _logits(8, seed=16)
+    ids = logits.float().argmax(dim=-1)
+    read = reader(logits, ids, 0.0)
+    assert torch.isfinite(read).all() and torch.equal(read, _engine_log_probs(engine, logits, ids, 0.0))
 
 
 def test_v2_kernel_not_trusted_where_its_bits_are_not_the_engines(
@@ -260,21 +272,28 @@ def test_v2_kernel_not_trusted_where_its_bits_are_not_the_engines(
         assert engine_steps.read_by_kernel(logits, ids, 1.0, V2_RUNNER) is None
     assert v2_kernel_on_cpu == [2 * engine_steps.CHECK_POSITIONS]
     warnings = [r.getMessage() for r in caplog.records if "kernel was not used" in r.getMessage()]
-    assert len(warnings) == 1 and "differs from V2's log-softmax kernel" in warnings[0]
+    assert (
+        len(warnings) == 1 and "V2's log-prob" in warnings[0] and "differs from V2's log-softmax kernel" in warnings[0]
+    )
 
 
 def test_v2_read_steps_aside_where_the_positions_are_not_aligned(
     v2_kernel_on_cpu: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Positions that do not start at a multiple of 4 logits would load in another layout: the kernel is never run
-    there, the copy runs, and the WARNING says why; V1's kernel (no such need) is not held to it."""
+    on them, also after a verdict for aligned logits of the same key (checked at every call), the copy runs, and the
+    WARNING says why; V1's kernel (no such need) is not held to it."""
+    aligned = _logits(80, seed=10)
+    assert engine_steps.read_by_kernel(aligned, _drawn(aligned, 1.0, seed=17), 1.0, V2_RUNNER) is not None
+    read_before = list(v2_kernel_on_cpu)
     shifted = _logits(80, seed=10, vocabulary=VOCABULARY + 2)[:, 2:]
     ids = _drawn(shifted, 1.0, seed=11)
     with caplog.at_level(logging.INFO, logger="trl_vlm_fixes"):
         assert engine_steps.read_by_kernel(shifted, ids, 1.0, V2_RUNNER) is None
-    assert v2_kernel_on_cpu == []
-    assert any("16-byte aligned" in r.getMessage() for r in caplog.records)
-    assert engine_steps._unreadable(shifted, V1_RUNNER) == ""
+    assert v2_kernel_on_cpu == read_before == [2 * engine_steps.CHECK_POSITIONS, 80]
+    assert any("multiples of 4 logits" in r.getMessage() for r in caplog.records)
+    assert v2_log_softmax.unreadable(shifted) is not None and v1_log_softmax.unreadable(shifted) is None
+    assert v2_log_softmax.unreadable(aligned.double()) is not None  # float64: 2 values a thread
 
 
 def test_v2_read_needs_v2s_kernels(v2_kernel_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,17 +1,20 @@
-"""V1's log-prob read from bf16 logits (``patches/sampling_parity/v1_log_softmax.py``) against torch's own CUDA
-``log_softmax`` on the float32 copy, as vLLM V1's sampler and the fix's torch path compute it: bits and time.
+"""The engine's reported log-prob read from bf16 logits by the fix's kernels (``patches/sampling_parity/
+v1_log_softmax.py``, ``v2_log_softmax.py``) against the engine's own function on the float32 copy: bits and time.
 
     python benchmarks/gpu/v1_log_softmax.py [--positions 16384] [--vocabulary 151936,248320] [--out FILE]
     python benchmarks/gpu/v1_log_softmax.py --dry-run   # the CPU, Triton's interpreter, small shapes
 
-Needs torch and Triton only (the GPU machine's torch 2.11.0 is vLLM 0.25.1's pin); the module is loaded from its file so
-neither TRL nor vLLM is imported. For each vocabulary, spread and temperature: the fix's torch path (chunks of
+Needs torch, Triton and transformers (the GPU machine's torch 2.11.0 is vLLM 0.25.1's pin); vLLM's V2 kernels from
+vLLM where it imports, else from copies of its ``gumbel.py`` and ``logprob.py`` in ``--v2-source`` (the GPU machine
+has no vLLM); TRL is not needed. V1: for each vocabulary, spread and temperature, the fix's torch path (chunks of
 ``CHUNK_ELEMENTS / (2 * vocabulary)`` positions: a float32 copy, the engine's temperature division, ``log_softmax``, a
 gather) over ``--positions`` positions, the kernel on the bf16 logits, the positions whose float32 bits differ (for a
-token drawn from each row, and for each row's likeliest token, whose log-prob near 0 shows the row sum's last bits), and
-each one's time (mean of 3 after a warm-up). The same order written in torch operations (``emulated_log_probs``) on the
-first 64 rows tells whether torch's kernel sums in that order. Also: torch's function over chunks small enough to stay
-in the GPU's L2 cache (another way to the same bits), and the kernel's first-call compile time.
+token drawn from each row, and for each row's likeliest token, whose log-prob near 0 shows the row sum's last bits),
+and each one's time (mean of 3 after a warm-up). The same order written in torch operations (``emulated_log_probs``) on
+the first 64 rows tells whether torch's kernel sums in that order. Also: torch's function over chunks small enough to
+stay in the GPU's L2 cache (another way to the same bits), and the kernel's first-call compile time. V2: the fix's
+copy path (V2's temperature and log-prob kernels) against its kernel, V2's own kernel handed bf16, and the fix's
+decision (``engine_steps.read_by_kernel``). Then both beside a 2B-class scoring pass.
 """
 
 from __future__ import annotations
@@ -268,6 +271,10 @@ def v2_record(
         "kernel_ms": kernel_ms,
     }
     if v2.gate is not None:  # the fix's own decision at this temperature (a fresh check), and what it then reads
+        from trl_vlm_fixes.patches.sampling_parity import engine_steps
+        from trl_vlm_fixes.patches.sampling_parity.distribution import V2_RUNNER
+
+        engine_steps._verdicts.pop((V2_RUNNER, logits.device, logits.dtype, vocabulary, temperature != 1.0), None)
         gated = v2.gate(logits, ids, temperature)
         result["gate_trusted"] = gated is not None
         if gated is not None:
@@ -289,8 +296,8 @@ def trl_selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torc
 def scoring_record(
     vocabulary: int, rows: int, completion: int, hidden: int, layers: int, device: torch.device, runners: list[str]
 ) -> dict[str, Any]:
-    """The fix's plain log-prob (``Positions.plain_log_probs``, TRL 1.9.1's logits read, temperature 1, V1) beside
-    the no-gradient scoring pass it joins (a random Qwen3.5 text stack, bf16: its forward and TRL's
+    """The fix's plain log-prob (``Positions.plain_log_probs``, TRL 1.9.1's logits read, temperature 1, each runner)
+    beside the no-gradient scoring pass it joins (a random Qwen3.5 text stack, bf16: its forward and TRL's
     ``selective_log_softmax``, as ``benchmarks/sampling_parity_cost.py`` times it): with the kernel (the gate's
     verdict as it falls) and with the float32 copy (the gate told no), bits compared. Without flash-linear-attention
     (not on the GPU machine) transformers runs its Gated-DeltaNet in PyTorch: the pass is slower than a tuned one, so
@@ -343,7 +350,7 @@ def scoring_record(
         "scoring_pass_ms": pass_ms,
     }
     for runner in runners:
-        key = (runner, logits.device, vocabulary, False)
+        key = (runner, logits.device, logits.dtype, vocabulary, False)
         engine_steps._verdicts.pop(key, None)
         fast, fast_ms = timed_ms(lambda runner=runner: positions.plain_log_probs(1.0, flat_ids, runner), device)
         trusted = engine_steps._verdicts.get(key)

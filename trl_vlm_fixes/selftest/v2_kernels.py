@@ -58,22 +58,17 @@ def kernels(on_gpu: bool) -> SimpleNamespace:
 
 
 _READER_IMPORT = "from .v1_log_softmax import position_offsets"
-_INLINE_ASM = re.compile(r"tl\.inline_asm_elementwise\(\s*\"sub\.rn\.f32 [^)]*\)")  # _minus: a - b, rounded alone
 
 
 def interpreted_reader() -> Callable[..., torch.Tensor]:
     """``v2_log_softmax.kernel_log_probs`` with its kernel in Triton's interpreter (CPU tensors; the interpreter runs
-    its ``tl.exp``/``tl.log``/``/`` in numpy's float32, as it runs V2's own kernels, and its PTX subtraction, which
-    it cannot run, as numpy's: each float32 operation rounded on its own there)."""
+    its ``tl.exp``/``tl.log``/``/`` in numpy's float32, as it runs V2's own kernels: each operation rounded on its
+    own there, as the kernel is compiled without fusion)."""
     source = Path(v2_log_softmax.__file__).read_text()
     if _READER_IMPORT not in source:
         raise RuntimeError(f"v2_log_softmax no longer has the line {_READER_IMPORT!r}: update its interpreted copy")
-    if len(_INLINE_ASM.findall(source)) != 1:
-        raise RuntimeError(
-            "v2_log_softmax's kernel no longer has one inline-asm subtraction: update its interpreted copy"
-        )
     absolute = _READER_IMPORT.replace("from .", "from trl_vlm_fixes.patches.sampling_parity.")
-    source = _INLINE_ASM.sub("a - b", source.replace(_READER_IMPORT, absolute))  # the interpreter runs no PTX
+    source = source.replace(_READER_IMPORT, absolute)
     namespace = kernel_copy.executed_in_interpreter(source, "trl_vlm_fixes_v2_reader")
 
     def kernel_log_probs(

@@ -142,15 +142,22 @@ def read_by_kernel(
     """``copied_log_probs`` of the positions ``rows`` (flat indices over ``logits``' leading dimensions; all where
     None), read from ``logits`` [..., vocabulary] themselves by the runner's kernel (``v1_log_softmax``: torch's
     order; ``v2_log_softmax``: V2's own kernel reading bf16) where the logits are on CUDA, V2's kernels run there
-    (for V2) and the kernel gave the engine's bits there (``_kernel_trusted``); else None (the caller copies)."""
+    (for V2), the kernel can read these logits (checked at every call, on the host) and it gave the engine's bits
+    there (``_kernel_trusted``); else None (the caller copies)."""
     if logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
         return None  # (ROCm's torch reports "cuda" devices and sums in its own order)
     if runner == V2_RUNNER and not uses_v2_kernel(runner, logits.device):
         return None  # the copy runs torch's log_softmax: not what the V2 kernel computes
-    if not _kernel_trusted(logits, ids, temperature, runner, rows):
+    reader = READERS[runner]
+    key = (runner, logits.device, logits.dtype, logits.size(-1), temperature != 1.0)
+    why = reader.kernel_fits(logits.size(-1)) or reader.unreadable(logits)
+    if why:
+        _say_not_used(key, why)
+        return None
+    if not _kernel_trusted(key, logits, ids, temperature, rows):
         return None
     with _current(logits.device):
-        return READERS[runner].kernel_log_probs(logits, ids, temperature, rows)
+        return reader.kernel_log_probs(logits, ids, temperature, rows)
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -169,27 +176,24 @@ def _positions(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 READERS = {V1_RUNNER: v1_log_softmax, V2_RUNNER: v2_log_softmax}  # each runner's kernel reading bf16 logits
 ENGINE_FUNCTIONS = {V1_RUNNER: "torch's log_softmax", V2_RUNNER: "V2's log-softmax kernel"}
-_verdicts: dict[tuple[str, torch.device, int, bool], bool] = {}
+RUNNER_NAMES = {V1_RUNNER: "V1", V2_RUNNER: "V2"}
+BYTES_COPIED = {V1_RUNNER: "22", V2_RUNNER: "14 to 22"}  # per logit: the float32 copy, its reads, the output
+VerdictKey = tuple[str, torch.device, torch.dtype, int, bool]  # runner, device, dtype, vocabulary, temperature != 1
+_verdicts: dict[VerdictKey, bool] = {}
 
 
 def _kernel_trusted(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, runner: str, rows: torch.Tensor | None
+    key: VerdictKey, logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None
 ) -> bool:
-    """The runner's kernel gave the engine's own bits on this device, vocabulary and kind of temperature (1, or a
-    division): decided on ``CHECK_POSITIONS`` positions spread over the first call with that many and finite values
-    (on TRL 1.16's fused head, its first chunk of projected positions), each at its likeliest token and at its own
-    (one read back to the host, once); where it did not, or could not run, the float32 copy runs from then on and one
-    WARNING says why."""
-    vocabulary = logits.size(-1)
-    key = (runner, logits.device, vocabulary, temperature != 1.0)
+    """The runner's kernel gave the engine's own bits for ``key`` (runner, device, dtype, vocabulary, kind of
+    temperature: 1, or a division): decided on ``CHECK_POSITIONS`` positions spread over the first call with that many
+    and finite values (on TRL 1.16's fused head, its first chunk of projected positions), each at its likeliest token
+    and at its own (one read back to the host, once); where it did not, or could not run, the float32 copy runs from
+    then on and one WARNING says why."""
     if key in _verdicts:
         return _verdicts[key]
-    why = READERS[runner].kernel_fits(vocabulary) or _unreadable(logits, runner)
-    if why:
-        _verdicts[key] = False
-        _say_not_trusted(key, why)
-        return False
-    count = logits.numel() // vocabulary if rows is None else rows.numel()
+    runner = key[0]
+    count = logits.numel() // logits.size(-1) if rows is None else rows.numel()
     if count < CHECK_POSITIONS:
         return False  # too few positions to judge: the copy this time
     # positions spread over the call; each one's likeliest token, whose log-prob (near 0) keeps the row sum's last
@@ -206,7 +210,7 @@ def _kernel_trusted(
             fast = READERS[runner].kernel_log_probs(logits, chosen, temperature, head)
     except Exception as error:  # noqa: BLE001 - a Triton or driver that cannot build it: the copy, said once
         _verdicts[key] = False
-        _say_not_trusted(key, f"the kernel could not run ({type(error).__name__}: {error})")
+        _say_not_used(key, f"the kernel could not run ({type(error).__name__}: {error})")
         return False
     reference = copied_log_probs(checked, chosen, temperature, runner)
     # bit patterns; and a check over non-finite values (a NaN row is NaN on both sides) proves nothing: no verdict
@@ -220,18 +224,18 @@ def _kernel_trusted(
         return False  # the copy this time; the next call with finite values decides
     _verdicts[key] = differing == 0
     if differing:
-        _say_not_trusted(
+        _say_not_used(
             key, f"it differs from {ENGINE_FUNCTIONS[runner]} in {differing} of {reference.numel()} log-probs"
         )
     else:
         warn_once(
             ("sampling_parity", "kernel", key),
             "%s's log-prob is read from the model's logits by the fix's kernel (at %d positions its log-probs of the "
-            "likeliest and the sampled token had %s's own bits, %d tokens, %s): no float32 copy",
-            runner,
+            "likeliest and the sampled token had the bits of %s, %d tokens, %s): no float32 copy",
+            RUNNER_NAMES[runner],
             CHECK_POSITIONS,
             ENGINE_FUNCTIONS[runner],
-            vocabulary,
+            key[3],
             logits.device,
             logger=LOGGER,
             level=logging.INFO,
@@ -239,27 +243,15 @@ def _kernel_trusted(
     return _verdicts[key]
 
 
-def _unreadable(logits: torch.Tensor, runner: str) -> str:
-    """Why the runner's kernel cannot read ``logits`` in place ("" where it can): packed rows; for V2's, each
-    position's logits 16-byte aligned (the float32 copy's layout needs it)."""
-    if logits.stride(-1) != 1:
-        return "the logits are not packed"
-    strides = logits.stride()[:-1]
-    if runner == V2_RUNNER and (
-        any(stride % v2_log_softmax.PER_THREAD for stride in strides) or logits.data_ptr() % 16
-    ):
-        return "the positions' logits do not start 16-byte aligned"
-    return ""
-
-
-def _say_not_trusted(key: tuple[str, torch.device, int, bool], why: str) -> None:
+def _say_not_used(key: VerdictKey, why: str) -> None:
+    """One WARNING per key and reason (a reason checked at every call is said once, also after a verdict)."""
     warn_once(
-        ("sampling_parity", "kernel", key),
+        ("sampling_parity", "kernel not used", key, why),
         "%s's log-prob is computed with %s on a float32 copy of the logits (exact; about %s bytes moved per logit "
         "instead of 4): the fix's kernel was not used because %s",
-        key[0],
+        RUNNER_NAMES[key[0]],
         ENGINE_FUNCTIONS[key[0]],
-        "22" if key[0] == V1_RUNNER else "14 to 22",
+        BYTES_COPIED[key[0]],
         why,
         logger=LOGGER,
     )

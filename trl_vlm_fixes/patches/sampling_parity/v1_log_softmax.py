@@ -53,6 +53,11 @@ def kernel_fits(vocabulary: int) -> str | None:
     return None
 
 
+def unreadable(logits: torch.Tensor) -> str | None:
+    """Why the kernel cannot read ``logits`` [..., vocabulary] in place, or None: each position's logits packed."""
+    return None if logits.stride(-1) == 1 else "the logits are not packed"
+
+
 if triton is not None:
 
     @triton.jit
@@ -133,11 +138,9 @@ def kernel_log_probs(
     flat indices (over ``logits``' leading dimensions) of the positions to score, all where None. ``kernel``: another
     build of the kernel (the tests' interpreted copy)."""
     vocabulary = logits.size(-1)
-    why = kernel_fits(vocabulary)
+    why = kernel_fits(vocabulary) or unreadable(logits)
     if why is not None:
         raise ValueError(why)
-    if logits.stride(-1) != 1:
-        raise ValueError("the kernel reads each position's logits packed (stride 1 along the vocabulary)")
     offsets = position_offsets(logits)
     if rows is not None:
         offsets = offsets[rows]
