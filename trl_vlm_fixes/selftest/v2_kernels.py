@@ -57,7 +57,7 @@ def kernels(on_gpu: bool) -> SimpleNamespace:
     )
 
 
-_READER_IMPORT = "from .v1_log_softmax import position_offsets"
+_READER_IMPORT = "from .v1_log_softmax import launched"
 
 
 def interpreted_reader() -> Callable[..., torch.Tensor]:

@@ -141,28 +141,25 @@ def kernel_log_probs(
     why = kernel_fits(vocabulary) or unreadable(logits)
     if why is not None:
         raise ValueError(why)
+    full = vocabulary // (ILP * BLOCK)
+    tail = math.ceil((vocabulary - full * ILP * BLOCK) / BLOCK)
+    constants = {"FULL": full, "TAIL": tail, "SCALE": temperature != 1.0, "BLOCK": BLOCK}
+    return launched(kernel or _v1_log_prob_kernel, logits, ids, temperature, rows, num_warps=8, **constants)
+
+
+def launched(
+    kernel: Any, logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None, **options: Any
+) -> torch.Tensor:
+    """[positions] a reader kernel's log-probs: one program a position of ``rows`` (flat over ``logits``' leading
+    dimensions; all where None), launched with the readers' common parameters (output, logits, int64 offsets, token
+    ids, temperature, vocabulary) and its own ``options`` (constants, launch options)."""
     offsets = position_offsets(logits)
     if rows is not None:
         offsets = offsets[rows]
     out = torch.empty(offsets.numel(), dtype=torch.float32, device=logits.device)
-    if out.numel() == 0:
-        return out
-    full = vocabulary // (ILP * BLOCK)
-    tail = math.ceil((vocabulary - full * ILP * BLOCK) / BLOCK)
-    launch = (kernel or _v1_log_prob_kernel)[(out.numel(),)]
-    launch(
-        out,
-        logits,
-        offsets,
-        ids.to(torch.int64).reshape(-1).contiguous(),
-        float(temperature),
-        vocabulary,
-        FULL=full,
-        TAIL=tail,
-        SCALE=temperature != 1.0,
-        BLOCK=BLOCK,
-        num_warps=8,
-    )
+    if out.numel():
+        ids = ids.to(torch.int64).reshape(-1).contiguous()
+        kernel[(out.numel(),)](out, logits, offsets, ids, float(temperature), logits.size(-1), **options)
     return out
 
 

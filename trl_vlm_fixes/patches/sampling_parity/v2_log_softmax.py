@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .v1_log_softmax import position_offsets
+from .v1_log_softmax import launched
 
 BLOCK_SIZE = 1024  # V2's compute_token_logprobs (BLOCK_SIZE=1024)
 PER_THREAD = 4  # float32 values per thread in the layout Triton gives V2's float32 load (128 bits)
@@ -118,30 +118,20 @@ def kernel_log_probs(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, rows: torch.Tensor | None = None, kernel: Any = None
 ) -> torch.Tensor:
     """[positions] V2's log-prob of each position's token ``ids`` [positions] under ``logits`` [..., vocabulary]
-    (bf16, fp16 or float32, readable: ``unreadable``; never copied) at
-    ``temperature``. ``rows``: the flat indices (over ``logits``' leading dimensions) of the positions to score, all
-    where None. ``kernel``: another build of the kernel (the tests' interpreted copy)."""
-    vocabulary = logits.size(-1)
-    why = kernel_fits(vocabulary) or unreadable(logits)
+    (bf16, fp16 or float32, readable: ``unreadable``; never copied) at ``temperature``. ``rows``: the flat indices
+    (over ``logits``' leading dimensions) of the positions to score, all where None. ``kernel``: another build of the
+    kernel (the tests' interpreted copy)."""
+    why = kernel_fits(logits.size(-1)) or unreadable(logits)
     if why is not None:
         raise ValueError(why)
-    offsets = position_offsets(logits)
-    if rows is not None:
-        offsets = offsets[rows]
-    out = torch.empty(offsets.numel(), dtype=torch.float32, device=logits.device)
-    if out.numel() == 0:
-        return out
-    launch = (kernel or _v2_log_prob_kernel)[(out.numel(),)]
-    launch(
-        out,
+    return launched(
+        kernel or _v2_log_prob_kernel,
         logits,
-        offsets,
-        ids.to(torch.int64).reshape(-1).contiguous(),
-        float(temperature),
-        vocabulary,
+        ids,
+        temperature,
+        rows,
         SCALE=temperature not in (0.0, 1.0),  # V2's temperature kernel returns early at 0 and 1
         BLOCK_SIZE=BLOCK_SIZE,
         PER_THREAD=PER_THREAD,
         enable_fp_fusion=False,  # V2 rounds each quotient (stored) before subtracting; num_warps: V2's default, 4
     )
-    return out
