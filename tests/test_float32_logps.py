@@ -309,9 +309,7 @@ def test_positions_after_a_completion_ended_are_not_scored(
 ) -> None:
     """The fix's passes over the vocabulary read only the positions TRL's completion mask keeps: a batch padded to
     its longest completion scores no padding (TRL 1.9.1's logits: the cut's rows and the ban's call alike; TRL 1.16's
-    fused head: the ban's plain pass over the projected positions), and the ratio is still 1."""
-    if cut and not trls_scoring_pass_makes_logits():
-        pytest.skip("TRL 1.16's fused head: a cut projects every position of the call, its padding too")
+    fused head: the positions projected for the cut, and for the ban's plain pass), and the ratio is still 1."""
     import trl.generation.vllm_generation as vllm_generation
     from transformers import AutoProcessor
 

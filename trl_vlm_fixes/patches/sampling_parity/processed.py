@@ -150,12 +150,12 @@ class Positions:
         """[rows] each row's float32 log-prob of its token ``ids`` [rows] under the plain distribution at
         ``temperature``, with the engine's own arithmetic, up to each completion's length (NaN after it, where TRL's
         own log-prob stays and the loss masks it away: nothing is projected or read there), from TRL's logits or,
-        without them, from the hidden states projected through the output layer a chunk at a time: read by V1's
-        kernel where it is trusted (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time
+        without them, from the hidden states projected through the output layer a chunk at a time: read by the
+        runner's kernel where it is trusted (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time
         (``CHUNK_ELEMENTS`` with the log-softmax's output: ``engine_steps.copied_log_probs``)."""
         plain = torch.full((ids.numel(),), math.nan, dtype=torch.float32, device=ids.device)
         lengths = [self.width] * (len(self) // self.width) if self.lengths is None else self.lengths
-        scored = self._scored_index(lengths, ids.device)
+        scored = self.scored_index(ids.device)
         if self.raw is None:
             for part in _chunks(scored.numel(), 2 * self.vocabulary):
                 index = scored[part]
@@ -177,10 +177,11 @@ class Positions:
                 plain[row * width + chunk.start : row * width + chunk.stop] = read
         return plain
 
-    def _scored_index(self, lengths: list[int], device: torch.device) -> torch.Tensor:
-        """The flat indices of the positions up to each row's length, from the host's lengths (copied to a GPU
-        without waiting for its queue)."""
+    def scored_index(self, device: torch.device) -> torch.Tensor:
+        """The flat indices of the positions up to each row's length (all without ``lengths``), from the host's lengths
+        (copied to a GPU without waiting for its queue)."""
         width = self.width
+        lengths = [width] * (len(self) // width) if self.lengths is None else self.lengths
         index = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
         return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
@@ -262,6 +263,15 @@ class Scored:
             return self
         tail = Scored.pending(self.processed.new_full((missing,), math.nan))
         return Scored(*(torch.cat(pair) for pair in zip(_fields(self), _fields(tail), strict=True)))
+
+    def at(self, index: torch.Tensor, rows: int) -> Scored:
+        """These positions placed at ``index`` among ``rows``; the others unscored (after a completion ended): TRL's
+        own log-prob there, nothing kept or cut."""
+        fields = _fields(Scored.pending(self.processed.new_full((rows,), math.nan)))
+        placed = [field.clone() for field in fields]  # (``pending`` shares one NaN tensor between fields)
+        for target, values in zip(placed, _fields(self), strict=True):
+            target[index] = values
+        return Scored(*placed)
 
     def finish(self, trl_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift, log_kept) [rows]: TRL's log-prob + shift = the processed log-prob."""
@@ -441,12 +451,17 @@ class Scorer:
             whole = positions.raw is not None  # gathers from TRL's logits: nothing of the hidden size is made
             return self._ban(positions, ids, [slice(0, len(positions))] if whole else _chunks(len(positions), width))
         own_normaliser = positions.trl_rounds or not self.same_temperature
+        # TRL 1.16's fused head: only the positions up to each completion's end are projected and cut (none of the
+        # padding, where TRL's own log-prob stays); TRL 1.9.1's rows come one completion at a time, up to its end
+        scored = None if positions.lengths is None else positions.scored_index(ids.device)
         parts = []
-        for index in _chunks(len(positions), positions.vocabulary):
+        for part in _chunks(len(positions) if scored is None else scored.numel(), positions.vocabulary):
+            index = part if scored is None else scored[part]
             logits = positions.rows(index)
             steps = self.steps(logits.size(0), logits.size(1), logits.device)
             parts.append(steps.processed(logits, ids[index], own_normaliser))
-        return Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
+        joined = Scored(*(torch.cat(values) for values in zip(*(_fields(part) for part in parts), strict=True)))
+        return joined if scored is None else joined.at(scored, len(positions))
 
     def _ban(self, positions: Positions, ids: torch.Tensor, chunks: list[slice]) -> Scored:
         """The ban alone (or nothing) at TRL's temperature, from gathers: the sampled token's logit and the banned
