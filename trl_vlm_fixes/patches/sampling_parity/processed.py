@@ -154,7 +154,7 @@ class Positions:
         runner's kernel where it is trusted (``engine_steps.read_by_kernel``), else a float32 copy of a chunk at a time
         (``CHUNK_ELEMENTS`` with the log-softmax's output: ``engine_steps.copied_log_probs``)."""
         plain = torch.full((ids.numel(),), math.nan, dtype=torch.float32, device=ids.device)
-        lengths = [self.width] * (len(self) // self.width) if self.lengths is None else self.lengths
+        lengths = self.row_lengths
         scored = self.scored_index(ids.device)
         if self.raw is None:
             for part in _chunks(scored.numel(), 2 * self.vocabulary):
@@ -177,12 +177,16 @@ class Positions:
                 plain[row * width + chunk.start : row * width + chunk.stop] = read
         return plain
 
+    @property
+    def row_lengths(self) -> list[int]:
+        """Each row's positions up to its completion's end (every position of the row without ``lengths``)."""
+        return [self.width] * (len(self) // self.width) if self.lengths is None else self.lengths
+
     def scored_index(self, device: torch.device) -> torch.Tensor:
         """The flat indices of the positions up to each row's length (all without ``lengths``), from the host's lengths
         (copied to a GPU without waiting for its queue)."""
         width = self.width
-        lengths = [width] * (len(self) // width) if self.lengths is None else self.lengths
-        index = torch.cat([torch.arange(row * width, row * width + length) for row, length in enumerate(lengths)])
+        index = torch.cat([torch.arange(row * width, row * width + n) for row, n in enumerate(self.row_lengths)])
         return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
     def scored(self, device: torch.device) -> torch.Tensor:
