@@ -283,6 +283,20 @@ def test_v1_log_softmax_script_dry_run(tmp_path: Path) -> None:
         assert scoring[0][runner]["fix_vs_copy"]["differing"] == 0 and scoring[0][runner]["kernel_trusted"] is None
 
 
+def test_cut_launch_script_dry_run(tmp_path: Path) -> None:
+    """The cuts' GPU record (the kernel interpreted here): every spread x setting timed for vLLM's launch and each
+    wide variant, each cutting, and no wide variant's masked logits or log-probs differing from vLLM's launch."""
+    report, _ = _run(GPU / "cut_launch.py", tmp_path / "cut.json", "--dry-run")
+    assert len(report["results"]) == 6, report
+    for record in report["results"]:
+        assert record["vllm_launch_ms"] > 0 and record["float32_copy_ms"] > 0, record
+        variants = [value for key, value in record.items() if key.startswith("wide_")]
+        assert len(variants) == 2, record
+        for variant in variants:
+            assert variant["ms"] > 0 and 0 < variant["kept_tokens_median"] < record["vocabulary"], record
+            assert variant["differing_masked_rows"] == variant["differing_logprob_bits"] == 0, record
+
+
 def test_weight_push_script_dry_run(tmp_path: Path) -> None:
     """weight_buckets' GPU record through the colocated stand-in: both variants push in one process, the bucketed one
     in fewer load_weights calls, and the engine's weights after each variant's last push (into NaN) are bit for bit

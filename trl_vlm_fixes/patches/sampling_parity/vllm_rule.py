@@ -30,7 +30,7 @@ import importlib
 
 import torch
 
-from . import kernel_copy
+from . import kernel_copy, wide_launch
 from .monolithic import apply_kernel
 
 TRITON = "triton"
@@ -59,10 +59,15 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     if k is None and p is None:
         return logits
     if _uses_cuda_kernel(logits.device):
-        from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
-
-        return apply_kernel(apply_top_k_top_p_triton, logits, k, p)
+        scope = vars(importlib.import_module(kernel_copy.KERNEL_MODULE))
+        if kernel_copy.why_no_copy() is None and wide_launch.launchable(scope):  # a kernel file read for it
+            return wide_launch.wide_top_k_top_p(scope, kernel_copy.CUDA_TILES, logits, k, p)
+        return apply_kernel(scope["apply_top_k_top_p_triton"], logits, k, p)
     if _uses_interpreted_kernel(logits.device):
+        scope = kernel_copy.copy_namespace(kernel_copy.CUDA_TILES)
+        if wide_launch.launchable(scope):
+            with kernel_copy.interpreting():
+                return wide_launch.wide_top_k_top_p(scope, kernel_copy.CUDA_TILES, logits, k, p)
         return apply_kernel(kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES), logits, k, p)
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
