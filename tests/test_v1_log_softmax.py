@@ -143,6 +143,35 @@ def test_kernel_trusted_where_it_gives_torchs_bits(
     assert any("had the bits of torch's log_softmax" in r.getMessage() for r in caplog.records)
 
 
+def test_a_trusted_kernel_that_fails_later_gives_way_to_the_copy(
+    kernel_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel trusted on its first call that raises on a later one (a new build for other strides that fails) does
+    not break the scoring pass: that call and every later one for the key take the float32 copy, said once."""
+    monkeypatch.setattr(
+        engine_steps,
+        "copied_log_probs",
+        lambda logits, ids, temperature, runner: interpreted_v1.emulated_log_probs(logits, ids, temperature),
+    )
+    logits, ids = _logits(70, VOCABULARY, seed=8), _ids(70, VOCABULARY, seed=9)
+    assert engine_steps.read_by_kernel(logits, ids, 1.0, V1_RUNNER) is not None
+    assert kernel_on_cpu == [2 * engine_steps.CHECK_POSITIONS, 70]  # checked, then read
+    failures: list[int] = []
+
+    def failing_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        failures.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(v1_log_softmax, "kernel_log_probs", failing_build)
+    with caplog.at_level(logging.WARNING, logger="trl_vlm_fixes"):
+        assert engine_steps.read_by_kernel(logits, ids, 1.0, V1_RUNNER) is None
+        assert engine_steps.read_by_kernel(logits, ids, 1.0, V1_RUNNER) is None
+    assert failures == [1]  # asked once, then the copy without asking
+    warnings = [r.getMessage() for r in caplog.records if "failed on a later call" in r.getMessage()]
+    assert len(warnings) == 1 and "RuntimeError: PassManager::run failed" in warnings[0], warnings
+    assert engine_steps._verdicts == {(V1_RUNNER, logits.device, logits.dtype, VOCABULARY, False): False}
+
+
 def _tail_first(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """The modelled order but each thread's tail elements folded in first: other bits in the last place of the row
     sum only, in a few rows (a near miss)."""

@@ -143,7 +143,8 @@ def read_by_kernel(
     None), read from ``logits`` [..., vocabulary] themselves by the runner's kernel (``v1_log_softmax``: torch's
     order; ``v2_log_softmax``: V2's own kernel reading bf16) where the logits are on CUDA, V2's kernels run there
     (for V2), the kernel can read these logits (checked at every call, on the host) and it gave the engine's bits
-    there (``_kernel_trusted``); else None (the caller copies)."""
+    there (``_kernel_trusted``); else None (the caller copies). A trusted kernel that raises on a later call (another
+    build, for strides it had not met) is not used again for its key, said once: the copy runs."""
     if logits.device.type not in KERNEL_DEVICE_TYPES or torch.version.hip is not None:
         return None  # (ROCm's torch reports "cuda" devices and sums in its own order)
     if runner == V2_RUNNER and not uses_v2_kernel(runner, logits.device):
@@ -156,8 +157,15 @@ def read_by_kernel(
         return None
     if not _kernel_trusted(key, logits, ids, temperature, rows):
         return None
-    with _current(logits.device):
-        return reader.kernel_log_probs(logits, ids, temperature, rows)
+    try:
+        with _current(logits.device):
+            return reader.kernel_log_probs(logits, ids, temperature, rows)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the copy needs more memory than the kernel's output; a later call may read by kernel again
+    except Exception as error:  # noqa: BLE001 - a later build that fails (new strides, a full cache): the copy
+        _verdicts[key] = False
+        _say_not_used(key, f"it failed on a later call ({type(error).__name__}: {error})")
+        return None
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
