@@ -23,6 +23,7 @@ from trl_vlm_fixes.patches.sampling_parity import kernel_copy, monolithic, vllm_
 VOCAB = 20_000  # three CUDA tiles
 ROWS = 12
 UNITS = 5  # vLLM's launch: min(5, 12) programs, 2-3 rows each
+SMALL_CALL = 4  # vLLM 0.31's split-row pipeline: calls of at most this many rows here (64 in vLLM)
 SETTINGS = {"top_k": (20, None), "top_p": (None, 0.9975), "top_k and top_p": (50, 0.8)}
 
 
@@ -39,8 +40,9 @@ def five_units(copy_scope: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> I
     """The copy as on a GPU of 5 compute units; yields the program count of each wide launch (its scratch rows),
     whose scratch buffer is NaN."""
     monkeypatch.setitem(copy_scope, "num_compute_units", lambda device_id=None: UNITS)
-    for cache in ("_TRITON_BUFFER_CACHE",):  # vLLM's own launch: its cached scratch rows, NaN too
-        monkeypatch.setitem(copy_scope, cache, {})
+    monkeypatch.setitem(copy_scope, "_TRITON_BUFFER_CACHE", {})  # vLLM's own launch: its cached scratch rows, NaN too
+    if kernel_copy.split_max_batch(copy_scope) is not None:  # 0.31: 12 rows a large call, as a trainer's chunk is
+        monkeypatch.setitem(copy_scope, "_SPLIT_MAX_BATCH", SMALL_CALL)
     programs: list[int] = []
 
     def nan_scratch(logits: torch.Tensor, count: int) -> torch.Tensor:
@@ -100,10 +102,28 @@ def test_one_program_per_row_keeps_vllms_tokens_bit_for_bit(
         assert bool((kept <= top_k).all()), kept.tolist()
     assert five_units == [ROWS], "the trainer's rule took the wide launch, one program per row"
     assert narrow[-1:] == [UNITS], f"vLLM's launch ran {narrow} programs (2-3 rows each), not one per row"
+    assert launched[len(narrow) :] == [ROWS], launched
     assert torch.equal(ours, expected), (
         f"{setting}: rows whose kept tokens differ: "
         f"{[row for row in range(ROWS) if not torch.equal(ours[row], expected[row])]}"
     )
+
+
+def test_a_small_call_with_top_k_and_top_p_is_vllms_own(copy_scope: dict[str, Any], five_units: list[int]) -> None:
+    """vLLM 0.31 cuts a small call with top-k and top-p in two launches: its monolithic kernel skips top-p in the rows
+    whose k is the vocabulary, and its split-row pipeline cuts them. Such a call is not launched wide there (it would
+    leave those rows uncut); on 0.25.1, whose kernel has no split, it is. Either way vLLM's function's tokens."""
+    rows = SMALL_CALL
+    logits = rows_with_ties()[-rows:]  # the tail rows: where top-p's boundary falls in the flat tail
+    k = torch.tensor([VOCAB, 50] * (rows // 2), dtype=torch.int32)
+    p = torch.full((rows,), 0.9975, dtype=torch.float32)
+    expected = kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES)(logits.clone(), k, p)
+    ours = vllm_rule.top_k_top_p(logits.clone(), k, p)
+    kept = (ours > -math.inf).sum(-1)
+    assert bool((kept < VOCAB).all()), f"every row cut, the rows whose k is the vocabulary by top-p: {kept.tolist()}"
+    splits = kernel_copy.split_max_batch(copy_scope) is not None
+    assert five_units == ([] if splits else [rows]), five_units
+    assert torch.equal(ours, expected)
 
 
 def test_programs_are_one_per_row_up_to_the_cap() -> None:
@@ -114,4 +134,4 @@ def test_programs_are_one_per_row_up_to_the_cap() -> None:
 
 
 def test_a_kernel_module_not_read_for_it_is_launched_as_vllm_launches_it() -> None:
-    assert not wide_launch.launchable({"apply_top_k_top_p_triton": object()})
+    assert not wide_launch.launchable({"apply_top_k_top_p_triton": object()}, 270, None, torch.ones(270))

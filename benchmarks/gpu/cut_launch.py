@@ -7,21 +7,25 @@
 Needs torch and Triton; vLLM's kernel file from vLLM where it imports, else a copy of vLLM 0.25.1's
 ``vllm/v1/sample/ops/topk_topp_triton.py`` in ``--kernel-source`` (the GPU machine has no vLLM; the copy must have
 0.25.1's sha256). For each vocabulary, spread and setting, the fix's cut path over ``--positions`` positions of bf16
-logits, a chunk at a time (``CHUNK_ELEMENTS / vocabulary`` positions, as ``processed`` chunks them): the float32 copy,
-the kernel, ``log_softmax`` and the gather, each stage's time (mean of 2 after a warm-up); the kernel launched as
-vLLM launches it (``min(SMs, rows)`` programs) and wide with 1, 2, 4 and 8 programs per SM (``VARIANTS``), 4 and 8
-also with chunks of twice the rows; the positions whose masked logits differ from vLLM's launch in any bit, and those
-whose processed log-prob does.
+logits, a chunk at a time (``CHUNK_ELEMENTS / vocabulary`` positions, as ``processed`` chunks them): the time of the
+float32 copy and of the log-softmax with its gather (mean of 2 after a warm-up), and of the kernel (CUDA events around
+each launch, the median of 5 sweeps; vLLM's launch timed before and after the wide ones), launched as vLLM launches
+it (``min(SMs, rows)`` programs) and wide with 1 (vLLM's grid: a control), 2, 4 and 8 programs per SM
+(``VARIANTS``), 4 and 8 also with chunks of twice the rows; the positions whose masked logits differ from vLLM's
+launch in any bit, and those whose processed log-prob does. The logits are synthetic (Gaussian at two spreads): which
+branches the kernel's search takes, and so its time, depends on them; a trained model's may take others.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHUNK_ELEMENTS = 1 << 26  # processed.CHUNK_ELEMENTS: a cut's chunk holds this many float32 logits
 SPREADS = {"peaked": 4.5, "flat": 1.0}  # std of the logits
 SETTINGS = {"top_p 0.95": (None, 0.95), "top_k 20 + top_p 0.95": (20, 0.95), "top_k 20": (20, None)}
-# (programs per SM, chunks of that many times the fix's rows)
+# (programs per SM, chunks of that many times the fix's rows); (1, 1) is vLLM's own grid, min(SMs, rows): a control
 VARIANTS = ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (8, 2))
 
 
@@ -43,14 +47,23 @@ def kernel_scope(source_dir: str, dry_run: bool) -> tuple[dict[str, Any], str]:
     sys.path.insert(0, str(ROOT))
     from trl_vlm_fixes.patches.sampling_parity import kernel_copy
 
-    if dry_run:
-        return kernel_copy.copy_namespace(kernel_copy.CUDA_TILES), "the interpreted copy (dry run)"
+    if dry_run:  # 2 compute units: vLLM's launch gives each program several of a chunk's rows, as on a GPU
+        scope = dict(kernel_copy.copy_namespace(kernel_copy.CUDA_TILES))
+        scope["num_compute_units"] = lambda device_id=None: 2
+        return scope, "the interpreted copy (dry run), 2 compute units"
     try:
         module = importlib.import_module(kernel_copy.KERNEL_MODULE)
-        return vars(module), f"vLLM's {module.__file__}"
     except ImportError:
-        pass
+        module = None
+    if module is not None:
+        if kernel_copy.proven_version() != "0.25.1":
+            raise SystemExit(f"vLLM's {module.__file__} is not 0.25.1's kernel file: this record is of that one")
+        return vars(module), f"vLLM's {module.__file__}"
     path = Path(source_dir) / "topk_topp_triton.py"
+    if not path.is_file():
+        raise SystemExit(
+            f"no vLLM and no copy of its kernel file at {path}: carry .gpu/vllm_topk (see --kernel-source)"
+        )
     source = path.read_text()
     digest = hashlib.sha256(source.encode()).hexdigest()
     if digest != kernel_copy.PROVEN_SHA256:
@@ -132,29 +145,44 @@ def kernel_ms(
     k: Any,
     p: Any,
     device: torch.device,
+    repeats: int = 5,
 ) -> float:
-    """The kernel alone over all positions (ms), on float32 chunks made beforehand (the kernel masks in place: a
-    fresh copy each time, its time taken off)."""
-    total = 0.0
-    for start in range(0, logits.size(0), chunk):
-        source = logits[start : start + chunk].float()
-        rows = source.size(0)
-        k_rows = None if k is None else torch.full((rows,), k, dtype=torch.int32, device=device)
-        p_rows = None if p is None else torch.full((rows,), p, dtype=torch.float32, device=device)
-        work = source.clone()
-
-        def run(
-            work: torch.Tensor = work, source: torch.Tensor = source, k_rows: Any = k_rows, p_rows: Any = p_rows
-        ) -> Any:
-            work.copy_(source)
+    """The kernel alone over all positions (ms): the median of ``repeats`` sweeps (after one that compiles and warms
+    up) of each chunk's launch, timed alone (CUDA events around the launch; the kernel masks in place, so the chunk's
+    float32 values are restored before each launch, untimed)."""
+    sources = [logits[start : start + chunk].float() for start in range(0, logits.size(0), chunk)]
+    work = torch.empty_like(sources[0])
+    totals = []
+    for _ in range(repeats + 1):
+        spans = []
+        for source in sources:
+            rows = work[: source.size(0)]
+            rows.copy_(source)
+            k_rows = None if k is None else torch.full((rows.size(0),), k, dtype=torch.int32, device=device)
+            p_rows = None if p is None else torch.full((rows.size(0),), p, dtype=torch.float32, device=device)
             if launch == "vllm":
-                return scope["apply_top_k_top_p_triton"](work, k_rows, p_rows)
-            return wide.wide_top_k_top_p(scope, "cuda", work, k_rows, p_rows)
+                call = functools.partial(scope["apply_top_k_top_p_triton"], rows, k_rows, p_rows)
+            else:
+                call = functools.partial(wide.wide_top_k_top_p, scope, "cuda", rows, k_rows, p_rows)
+            spans.append(span(call, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        totals.append(sum(elapsed() for elapsed in spans))
+    return statistics.median(totals[1:])
 
-        _, with_copy = timed_ms(run, device)
-        _, copy_only = timed_ms(lambda work=work, source=source: work.copy_(source), device)
-        total += with_copy - copy_only
-    return total
+
+def span(function: Callable[[], Any], device: torch.device) -> Callable[[], float]:
+    """Run ``function``; return what gives its time in ms (on CUDA: events, read after a synchronize)."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        function()
+        seconds = time.perf_counter() - started
+        return lambda: seconds * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    function()
+    end.record()
+    return lambda: begin.elapsed_time(end)
 
 
 def main() -> None:
@@ -201,6 +229,7 @@ def main() -> None:
                         entry[name] = cut_path(scope, wide_launch, logits, ids, rows, k, p)
                         entry[name]["ms"] = kernel_ms(scope, wide_launch, "wide", logits, rows, k, p, device)
                     wide_launch.PROGRAMS_PER_UNIT = default_width
+                    entry["vllm_launch_ms_after"] = kernel_ms(scope, wide_launch, "vllm", logits, chunk, k, p, device)
                 report["results"].append(entry)
                 print(json.dumps(entry), flush=True)
                 Path(args.out).write_text(json.dumps(report, indent=2))

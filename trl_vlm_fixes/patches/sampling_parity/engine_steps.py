@@ -164,7 +164,7 @@ def read_by_kernel(
         raise  # the copy needs more memory than the kernel's output; a later call may read by kernel again
     except Exception as error:  # noqa: BLE001 - a later build that fails (new strides, a full cache): the copy
         _verdicts[key] = False
-        _say_not_used(key, f"it failed on a later call ({type(error).__name__}: {error})")
+        _say_not_used(key, f"it failed on a later call ({_brief(error)})")
         return None
 
 
@@ -218,7 +218,7 @@ def _kernel_trusted(
             fast = READERS[runner].kernel_log_probs(logits, chosen, temperature, head)
     except Exception as error:  # noqa: BLE001 - a Triton or driver that cannot build it: the copy, said once
         _verdicts[key] = False
-        _say_not_used(key, f"the kernel could not run ({type(error).__name__}: {error})")
+        _say_not_used(key, f"the kernel could not run ({_brief(error)})")
         return False
     reference = copied_log_probs(checked, chosen, temperature, runner)
     # bit patterns; and a check over non-finite values (a NaN row is NaN on both sides) proves nothing: no verdict
@@ -249,6 +249,12 @@ def _kernel_trusted(
             level=logging.INFO,
         )
     return _verdicts[key]
+
+
+def _brief(error: Exception) -> str:
+    """An error for a log line: its type and the start of its message (a compiler's can run to kilobytes)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message[:300]}{' ...' if len(message) > 300 else ''}"
 
 
 def _say_not_used(key: VerdictKey, why: str) -> None:

@@ -40,6 +40,7 @@ another vLLM's kernel gets no copy, and ``why_no_copy`` says so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -215,15 +216,7 @@ def monolithic_top_k_top_p(
     if buffer is None or buffer.shape[0] < programs:
         buffer = logits.new_empty((min(scope["next_power_of_2"](programs), compute_units), vocabulary))
         buffers[key] = buffer
-    tables = scope["_TRITON_TABLE_CACHE"].get(logits.device)
-    if tables is None:
-        with scope["gpu_sync_allowed"]():
-            tables = (
-                logits.new_tensor(scope["_NORMAL_CDF_TO_SIGMA_TABLE"]),
-                logits.new_tensor(scope["_PERCENTILE_TO_STD_TABLE"]),
-            )
-        scope["_TRITON_TABLE_CACHE"][logits.device] = tables
-    normal_cdf_to_sigma, percentile_to_std = tables
+    normal_cdf_to_sigma, percentile_to_std = kernel_tables(scope, logits)
     scope["_topk_topp"](
         logits,
         buffer[:programs],
@@ -235,6 +228,21 @@ def monolithic_top_k_top_p(
         compute_units,
     )
     return logits
+
+
+def kernel_tables(scope: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normal CDF to sigma, percentile to std): vLLM's lookup tables on the logits' device, from (and into) its
+    kernel module's cache, made as its launch makes them (vLLM 0.31 under its sync-debug switch)."""
+    cache = scope["_TRITON_TABLE_CACHE"]
+    tables = cache.get(logits.device)
+    if tables is None:
+        with scope.get("gpu_sync_allowed", contextlib.nullcontext)():
+            tables = (
+                logits.new_tensor(scope["_NORMAL_CDF_TO_SIGMA_TABLE"]),
+                logits.new_tensor(scope["_PERCENTILE_TO_STD_TABLE"]),
+            )
+        cache[logits.device] = tables
+    return tables  # type: ignore[no-any-return]
 
 
 @functools.cache

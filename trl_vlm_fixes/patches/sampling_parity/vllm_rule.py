@@ -60,12 +60,13 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
         return logits
     if _uses_cuda_kernel(logits.device):
         scope = vars(importlib.import_module(kernel_copy.KERNEL_MODULE))
-        if kernel_copy.why_no_copy() is None and wide_launch.launchable(scope):  # a kernel file read for it
+        proven = kernel_copy.why_no_copy() is None  # a kernel file whose launch was read for a wide one
+        if proven and wide_launch.launchable(scope, logits.size(0), k, p):
             return wide_launch.wide_top_k_top_p(scope, kernel_copy.CUDA_TILES, logits, k, p)
         return apply_kernel(scope["apply_top_k_top_p_triton"], logits, k, p)
     if _uses_interpreted_kernel(logits.device):
         scope = kernel_copy.copy_namespace(kernel_copy.CUDA_TILES)
-        if wide_launch.launchable(scope):
+        if wide_launch.launchable(scope, logits.size(0), k, p):
             with kernel_copy.interpreting():
                 return wide_launch.wide_top_k_top_p(scope, kernel_copy.CUDA_TILES, logits, k, p)
         return apply_kernel(kernel_copy.interpreted_top_k_top_p(kernel_copy.CUDA_TILES), logits, k, p)
