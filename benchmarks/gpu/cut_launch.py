@@ -48,7 +48,7 @@ def kernel_scope(source_dir: str, dry_run: bool) -> tuple[dict[str, Any], str]:
     from trl_vlm_fixes.patches.sampling_parity import kernel_copy
 
     if dry_run:  # 2 compute units: vLLM's launch gives each program several of a chunk's rows, as on a GPU
-        scope = dict(kernel_copy.copy_namespace(kernel_copy.CUDA_TILES))
+        scope = kernel_copy.copy_namespace(kernel_copy.CUDA_TILES)  # the copy's own globals (this process's alone)
         scope["num_compute_units"] = lambda device_id=None: 2
         return scope, "the interpreted copy (dry run), 2 compute units"
     try:

@@ -1,11 +1,12 @@
 """vLLM's top-k/top-p kernel over a trainer's chunk with one program per row, not vLLM's one per SM.
 
 vLLM launches its monolithic top-k/top-p kernel with ``min(SMs, rows)`` programs, each sweeping its rows' vocabulary
-serially in tiles (vLLM 0.31's own comment: "per-tile latency bounds kernel latency"). A colocated rank's engine step
-(16-64 requests) gets one program a row. A trainer's chunk holds hundreds of positions (270 at 248,320 tokens, 441 at
-151,936), so on an H100 (132 SMs) vLLM's launch gives each program two to four rows in turn. How much of the cuts'
-cost (20-64% of the scoring pass on an H100, docs/gpu-results.md sections 13 and 15) this wait is, is not measured:
-``min_p`` alone, which runs no top-k/top-p kernel, cost 20-39% there too (the float32 copy and vLLM's torch passes).
+serially in tiles (vLLM 0.31's own comment: "per-tile latency bounds kernel latency"). A colocated rank's engine
+step (typically 16-64 requests) gets one program a row. A trainer's chunk holds hundreds of positions (270 at 248,320
+tokens, 441 at 151,936), so on an H100 (132 SMs) vLLM's launch gives each program two to four rows in turn. How
+much of the cuts' cost (20-64% of the scoring pass on an H100, docs/gpu-results.md sections 13 and 15) this wait is,
+is not measured: ``min_p`` alone, which runs no top-k/top-p kernel, cost 20-39% there too (the float32 copy and vLLM's
+torch passes).
 
 A row's result depends on its row alone: its program reads only that row, and its scratch row in the buffer
 (``BUFFER + pid * VOCAB_SIZE``) only up to what it wrote for that row; the program count enters only the row loop's
