@@ -44,6 +44,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 import tempfile
@@ -180,13 +181,11 @@ def split_max_batch(scope: dict[str, Any]) -> int | None:
 
 def monolithic_problem(scope: dict[str, Any]) -> str | None:
     """Why ``monolithic_top_k_top_p`` cannot launch this kernel module's monolithic kernel, or None."""
-    import inspect
-
     missing = [name for name in MONOLITHIC_NAMES if name not in scope]
     if missing:
         return f"{KERNEL_MODULE} has no {', '.join(missing)}"
     try:
-        parameters = tuple(inspect.signature(scope["_topk_topp"]).parameters)
+        parameters = _parameters(scope["_topk_topp"])
     except (TypeError, ValueError) as error:
         return f"{KERNEL_MODULE}._topk_topp's signature cannot be read ({error})"
     if parameters != MONOLITHIC_PARAMETERS:
@@ -202,32 +201,58 @@ def monolithic_top_k_top_p(
     the module's own cached scratch buffer and tables), without the split-row pipeline it takes for smaller ones. A
     row's result is its own (one program per row), so any rows may be passed. ``scope``: the module's globals (vLLM's
     on CUDA, the interpreted copy's here)."""
-    assert logits.ndim == 2 and logits.dtype == torch.float32
-    rows, vocabulary = logits.shape
-    if rows == 0 or (k is None and p is None):
+    rows = cut_rows(logits, k, p)
+    if rows is None:
         return logits
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    compute_units: int = scope["num_compute_units"](logits.device.index)
-    programs = min(compute_units, rows)
+    compute_units: int = scope["num_compute_units"](rows.device.index)
+    programs = min(compute_units, rows.size(0))
     buffers = scope["_TRITON_BUFFER_CACHE"]
-    key = (logits.device, logits.dtype, vocabulary)
+    key = (rows.device, rows.dtype, rows.size(1))
     buffer = buffers.get(key)
     if buffer is None or buffer.shape[0] < programs:
-        buffer = logits.new_empty((min(scope["next_power_of_2"](programs), compute_units), vocabulary))
+        buffer = rows.new_empty((min(scope["next_power_of_2"](programs), compute_units), rows.size(1)))
         buffers[key] = buffer
+    launch_topk_topp(scope, rows, buffer[:programs], k, p, compute_units)
+    return rows
+
+
+def cut_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor | None:
+    """``logits`` as vLLM's top-k/top-p kernels read them (float32 [rows, vocabulary], each row contiguous), or None
+    where there is nothing to cut (no rows, neither k nor p): then the caller returns ``logits`` as they are."""
+    assert logits.ndim == 2 and logits.dtype == torch.float32
+    if logits.size(0) == 0 or (k is None and p is None):
+        return None
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def launch_topk_topp(
+    scope: dict[str, Any],
+    logits: torch.Tensor,
+    buffer: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor | None,
+    num_sm: int,
+) -> None:
+    """vLLM 0.31's ``_topk_topp`` on ``logits`` in place, as vLLM calls it: ``buffer`` its scratch rows (one per
+    program), ``num_sm`` the programs it may launch (it launches ``min(num_sm, rows)``), the lookup tables from its
+    module's cache."""
     normal_cdf_to_sigma, percentile_to_std = kernel_tables(scope, logits)
     scope["_topk_topp"](
         logits,
-        buffer[:programs],
+        buffer,
         percentile_to_std,
         normal_cdf_to_sigma,
         None if k is None else k.to(torch.int32),
         None if p is None else p.to(torch.float32),
         float("-inf"),
-        compute_units,
+        num_sm,
     )
-    return logits
+
+
+@functools.cache
+def _parameters(function: Any) -> tuple[str, ...]:
+    """A function's parameter names (read once per function: ``wide_launch.launchable`` asks on every chunk)."""
+    return tuple(inspect.signature(function).parameters)
 
 
 def kernel_tables(scope: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

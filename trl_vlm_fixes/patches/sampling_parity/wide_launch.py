@@ -63,40 +63,35 @@ def wide_top_k_top_p(
     on the CPU) on float32 ``logits`` [rows, vocabulary] in place, ``programs_for(rows, SMs)`` programs, with the tiles
     vLLM picks for ``tiles`` tensors. The same tokens as vLLM's launch of the same kernel (see the module's
     docstring)."""
-    assert logits.ndim == 2 and logits.dtype == torch.float32
-    rows, vocabulary = logits.shape
-    if rows == 0 or (k is None and p is None):
+    rows = kernel_copy.cut_rows(logits, k, p)
+    if rows is None:
         return logits
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    programs = programs_for(rows, int(scope["num_compute_units"](logits.device.index)))
-    buffer = _scratch(logits, programs)
-    normal_cdf_to_sigma, percentile_to_std = kernel_copy.kernel_tables(scope, logits)
+    programs = programs_for(rows.size(0), int(scope["num_compute_units"](rows.device.index)))
+    buffer = _scratch(rows, programs)
+    if "_topk_topp" in scope:  # vLLM 0.31: its dispatcher launches min(num_sm, rows) programs
+        kernel_copy.launch_topk_topp(scope, rows, buffer, k, p, programs)
+        return rows
+    normal_cdf_to_sigma, percentile_to_std = kernel_copy.kernel_tables(scope, rows)
     k_rows = None if k is None else k.to(torch.int32)
     p_rows = None if p is None else p.to(torch.float32)
-    if "_topk_topp" in scope:  # vLLM 0.31: its dispatcher launches min(num_sm, rows) programs
-        scope["_topk_topp"](
-            logits, buffer, percentile_to_std, normal_cdf_to_sigma, k_rows, p_rows, float("-inf"), programs
-        )
-        return logits
     block, block_trunc = _TILES[tiles]
     scope["_topk_topp_kernel"][(programs,)](  # vLLM 0.25.1: apply_top_k_top_p_triton's launch, another grid
-        logits,
-        logits.stride(0),
+        rows,
+        rows.stride(0),
         buffer,
         percentile_to_std,
         normal_cdf_to_sigma,
-        logits if k_rows is None else k_rows,
-        logits if p_rows is None else p_rows,
-        BATCH_SIZE=rows,
+        rows if k_rows is None else k_rows,
+        rows if p_rows is None else p_rows,
+        BATCH_SIZE=rows.size(0),
         MASK_VALUE=float("-inf"),
-        VOCAB_SIZE=vocabulary,
+        VOCAB_SIZE=rows.size(1),
         BLOCK_SIZE=block,
         BLOCK_SIZE_TRUNC=block_trunc,
         TOPK_ENABLED=k_rows is not None,
         TOPP_ENABLED=p_rows is not None,
     )
-    return logits
+    return rows
 
 
 def _scratch(logits: torch.Tensor, programs: int) -> torch.Tensor:
