@@ -297,6 +297,19 @@ def test_cut_launch_script_dry_run(tmp_path: Path) -> None:
             assert variant["differing_masked_rows"] == variant["differing_logprob_bits"] == 0, record
 
 
+def test_cut_waves_script_dry_run(tmp_path: Path) -> None:
+    """The cuts' chunk-size record (the kernel interpreted here): each chunk size cuts, no chunk's masked logits or
+    log-probs differ from vLLM's launch, and the fix's own chunk is among those timed."""
+    report, _ = _run(GPU / "cut_waves.py", tmp_path / "waves.json", "--dry-run")
+    assert len(report["results"]) == 2 and "kernel_fit" in report, report
+    for record in report["results"]:
+        chunks = {key: value for key, value in record.items() if key.startswith("chunk_")}
+        assert f"chunk_{record['fix_chunk']}" in chunks and len(chunks) >= 3, record
+        for result in chunks.values():
+            assert result["ms"] > 0 and 0 < result["kept_tokens_median"] < record["vocabulary"], record
+            assert result["differing_masked_rows"] == result["differing_logprob_bits"] == 0, record
+
+
 def test_weight_push_script_dry_run(tmp_path: Path) -> None:
     """weight_buckets' GPU record through the colocated stand-in: both variants push in one process, the bucketed one
     in fewer load_weights calls, and the engine's weights after each variant's last push (into NaN) are bit for bit

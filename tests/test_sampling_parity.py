@@ -672,7 +672,8 @@ def test_bf16_grid_logits_and_eight_requests_per_step_weigh_one_with_the_fix(
         # vLLM 0.31 samples each upstream step of top-p alone through its split-row pipeline, ~18 s a token in
         # Triton's interpreter here: fewer tokens, where the one-signed gap of its split rule already shows (measured:
         # the upstream weight's mean 0.65 at 4 tokens, 0.80 at 2; this test, the newest stack's longest, took
-        # 200-220 s in CI at 8 tokens, 132-156 s at 4, 53 s at 2 here alone)
+        # 114 s at 4 tokens and 53 s at 2, alone on a 2-core machine). The trainer's chunks here hold 16 positions:
+        # a chunk of more rows than an engine step's is proven at unit level (tests/test_kernel_copy_031.py)
         batch["max_completion_length"] = 2
     with_fix = logged(train_one_step(bf16_model_dir, tmp_path / "on", settings, **batch))
     one_fix_off("sampling_parity")

@@ -230,13 +230,18 @@ def main() -> None:
                         entry[name]["ms"] = kernel_ms(scope, wide_launch, "wide", logits, rows, k, p, device)
                     wide_launch.PROGRAMS_PER_UNIT = default_width
                     entry["vllm_launch_ms_after"] = kernel_ms(scope, wide_launch, "vllm", logits, chunk, k, p, device)
-                report["results"].append(entry)
-                print(json.dumps(entry), flush=True)
-                Path(args.out).write_text(json.dumps(report, indent=2))
+                recorded(report, entry, args.out)
             del logits
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def recorded(report: dict[str, Any], entry: dict[str, Any], out: str) -> None:
+    """``entry`` into the report's results, printed, and the report so far written (a run cut short keeps it)."""
+    report["results"].append(entry)
+    print(json.dumps(entry), flush=True)
+    Path(out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,9 @@
 vLLM launches its monolithic top-k/top-p kernel with ``min(SMs, rows)`` programs, each sweeping its rows' vocabulary
 serially in tiles (vLLM 0.31's own comment: "per-tile latency bounds kernel latency"). A colocated rank's engine
 step (typically 16-64 requests) gets one program a row. A trainer's chunk holds hundreds of positions (270 at 248,320
-tokens, 441 at 151,936), so on an H100 (132 SMs) vLLM's launch gives each program two to four rows in turn. How
-much of the cuts' cost (20-64% of the scoring pass on an H100, docs/gpu-results.md sections 13 and 15) this wait is,
-is not measured: ``min_p`` alone, which runs no top-k/top-p kernel, cost 20-39% there too (the float32 copy and vLLM's
-torch passes).
+tokens, 441 at 151,936), so on an H100 (132 SMs) vLLM's launch gives each program two to four rows in turn. The
+cut's other stages (the float32 copy, vLLM's torch passes, the log-softmax) stay: ``min_p`` alone, which runs no
+top-k/top-p kernel, cost 20-39% of the scoring pass on an H100 (docs/gpu-results.md section 13).
 
 A row's result depends on its row alone: its program reads only that row, and its scratch row in the buffer
 (``BUFFER + pid * VOCAB_SIZE``) only up to what it wrote for that row; the program count enters only the row loop's
@@ -18,8 +17,10 @@ on an H100 or H200 every chunk at a vocabulary over 127,000 tokens gets one prog
 float32 row a program) is the call's own, at most the chunk's size, freed after it (vLLM's cached one, which the
 colocated engine keeps between steps, holds one row per SM): the cut's peak memory grows by up to one chunk. Only the
 kernel files whose launch was read for this (``kernel_copy.PROVEN``) are launched wide, and not a small call that
-vLLM 0.31 finishes with its split-row pipeline (``launchable``); any other runs as vLLM launches it. Not yet timed on
-a GPU (``benchmarks/gpu/cut_launch.py``).
+vLLM 0.31 finishes with its split-row pipeline (``launchable``); any other runs as vLLM launches it. On an H100,
+vLLM 0.25.1's kernel on synthetic logits took 0.60-0.71x of vLLM's launch's time over the same chunks, every bit the
+same (docs/gpu-results.md section 19, ``benchmarks/gpu/cut_launch.py``); 2 programs per SM gave nearly all of it, 8
+no more than 4. vLLM 0.31's build (8 warps) was not timed.
 """
 
 from __future__ import annotations
